@@ -1,0 +1,47 @@
+"""mpiattn: exact dot-product attention over sequence-sharded operands with MPI.
+
+Each MPI rank holds a shard of the sequence (rows) and runs on NumPy (CPU) or
+CuPy (GPU) arrays; see :mod:`mpiattn.layouts` for the layouts.
+
+Importing the package initialises neither MPI nor CUDA: communicators are
+passed in (default ``MPI.COMM_WORLD``) and duplicated on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._version import __version__
+
+# public name -> submodule that defines it (imported on first access)
+_EXPORTS = {
+    "partition": "layouts",
+    "shard": "layouts",
+    "gather": "layouts",
+    "matmul_nt": "products",
+    "matmul_nn": "products",
+    "matmul_tn": "products",
+    "matmul_nt_backward": "products",
+    "matmul_nn_backward": "products",
+    "matmul_tn_backward": "products",
+    "attention": "strategies",
+    "attention_backward": "strategies",
+    "MultiheadAttention": "layer",
+    "get_comm": "comm",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mpiattn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

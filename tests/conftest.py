@@ -1,0 +1,56 @@
+"""Shared fixtures for running the suite on 1 rank or under ``mpiexec -n P``.
+
+* ``comm``: mpiattn's wrapper of ``MPI.COMM_WORLD``.
+* ``xp``: the array namespace under test: NumPy, or CuPy when
+  ``MPIATTN_TEST_BACKEND=cupy`` (skipped cleanly where no GPU is usable).
+* ``serial_only``: skips a test (on every rank) when run under several ranks;
+  used by tests that launch ``mpiexec`` themselves.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+_WORLD = MPI.COMM_WORLD
+
+
+def _cupy_or_skip():
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        cupy.zeros(1).sum()
+    except Exception as exc:  # noqa: BLE001 - any failure means "no usable GPU"
+        pytest.skip(f"CuPy backend requested but no usable GPU: {exc}")
+    from mpiattn import gpu
+    gpu.bind_device(_WORLD)
+    return cupy
+
+
+@pytest.fixture(scope="session")
+def xp():
+    name = os.environ.get("MPIATTN_TEST_BACKEND", "numpy")
+    if name == "numpy":
+        return np
+    if name == "cupy":
+        return _cupy_or_skip()
+    raise ValueError(f"MPIATTN_TEST_BACKEND={name!r}; expected numpy or cupy")
+
+
+@pytest.fixture(scope="session")
+def comm():
+    from mpiattn.comm import get_comm
+    return get_comm(_WORLD)
+
+
+@pytest.fixture
+def serial_only():
+    if _WORLD.Get_size() > 1:
+        pytest.skip("launches mpiexec itself; runs in the single-process session")
+
+
+def host(a):
+    """Any array as NumPy (for assertions)."""
+    from mpiattn.backend import to_host
+    return to_host(a)

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Run the whole test suite: once in one process, then under mpiexec with 2, 3, 4 ranks.
+
+Usage: ``python tests/run_all.py [--ranks 1,2,3,4] [extra pytest args]``
+
+Each run gets a wall-clock limit so a deadlock fails instead of hanging (each
+test also has pytest-timeout's thread-method limit). Ranks other than 0 log to
+``tests/.ranklogs/<P>/rank<R>.log``; those logs are printed when a run fails.
+The last line sums up all runs as ``N passed, N failed, N skipped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN_LIMIT_S = 1500
+
+
+def find_mpiexec() -> str:
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return local if os.path.exists(local) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def summary_counts(text: str) -> dict[str, int]:
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)", ln)]
+    if lines:
+        for num, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1]):
+            counts["error" if word.startswith("error") else word] += int(num)
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="1,2,3,4", help="comma-separated rank counts (default 1,2,3,4)")
+    args, extra = ap.parse_known_args()
+    env = dict(os.environ)
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # MPICH: waiting ranks yield their core
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    total = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    bad = []
+    for p in [int(x) for x in args.ranks.split(",")]:
+        logdir = os.path.join(HERE, ".ranklogs", str(p))
+        shutil.rmtree(logdir, ignore_errors=True)
+        env["MPIATTN_TEST_RANKLOG_DIR"] = logdir
+        args_ = [HERE, "--with-mpi", "-q", "-rfEs" if p == 1 else "-rfE", *extra]
+        if p == 1:
+            cmd = [sys.executable, "-m", "pytest", *args_]
+        else:
+            cmd = [find_mpiexec(), "-n", str(p), sys.executable, os.path.join(HERE, "_rank_main.py"), *args_]
+        print(f"=== {p} rank(s): {' '.join(cmd)}", flush=True)
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=RUN_LIMIT_S)
+            out, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            out += f"\n*** {p}-rank run exceeded {RUN_LIMIT_S} s and was killed\n"
+            rc = -1
+        sys.stdout.write(out)
+        counts = summary_counts(out)
+        if rc not in (0, 5) and counts["failed"] + counts["error"] == 0:
+            counts["error"] += 1  # crashed or timed out without a pytest summary
+        if rc not in (0, 5):
+            bad.append(p)
+            for name in sorted(os.listdir(logdir)) if os.path.isdir(logdir) else []:
+                print(f"--- {p} ranks, {name}:")
+                with open(os.path.join(logdir, name)) as fh:
+                    print(fh.read()[-20000:])
+        for key in total:
+            total[key] += counts[key]
+        print(f"=== {p} rank(s) done in {time.time() - t0:.0f} s, exit code {rc}", flush=True)
+    failed = total["failed"] + total["error"]
+    print(f"{total['passed']} passed, {failed} failed, {total['skipped']} skipped")
+    if bad:
+        print(f"runs that failed: {', '.join(f'{p} ranks' for p in bad)}")
+    return 1 if (bad or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
