@@ -153,10 +153,36 @@ class Comm:
                 raise err
             return
         failed = self.mpi.allreduce(0 if err is None else 1, op=MPI.SUM)
-        if not failed:
-            return
-        info = None if err is None else (type(err), str(err))
-        reports = self.mpi.allgather(info)
+        if failed:
+            report = None if err is None else (type(err), str(err))
+            self._raise_first(self.mpi.allgather(report), err)
+
+    def allgather_checked(self, fn: Callable[[], Any]) -> list:
+        """Run the local function ``fn`` on every rank and allgather its results.
+
+        One collective serves both: if ``fn`` raised on any rank, every rank
+        raises the exception of the lowest failing rank (same type and
+        message), as :meth:`collective_errors` does; otherwise every rank gets
+        the list of all ranks' results (small, pickled metadata).
+        """
+        err: BaseException | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+            err = exc
+        if self.size == 1:
+            if err is not None:
+                raise err
+            return [result]
+        reports = self.mpi.allgather((None if err is None else (type(err), str(err)), result))
+        if any(rep is not None for rep, _ in reports):
+            self._raise_first([rep for rep, _ in reports], err)
+        return [res for _, res in reports]
+
+    def _raise_first(self, reports: list, err: BaseException | None) -> None:
+        """Raise, identically on every rank, the first of the ranks' (type, message) reports."""
+        failed = sum(rep is not None for rep in reports)
         first = next(r for r, rep in enumerate(reports) if rep is not None)
         cls, msg = reports[first]
         if failed > 1 or first != 0:

@@ -1,0 +1,260 @@
+"""Local blocked attention kernels: online-softmax forward, lse-based backward.
+
+These run on one rank, on NumPy or CuPy arrays, and know nothing of MPI. The
+distributed drivers in :mod:`mpiattn.strategies` feed them key/value blocks
+(from the ring, a gather or an all-to-all) with their *global* row indices.
+
+Row layout
+----------
+Queries are kept "folded": ``q`` of shape ``(B, H, n, E)`` with
+``H = G * Hkv`` query heads per key/value head becomes ``qs`` of shape
+``(B, Hkv, n*G, E)``, row ``i*G + g`` holding query position ``i`` of query
+head ``kv*G + g`` (torch's ``repeat_interleave`` convention), multiplied by the
+softmax scale ``s`` and cast to the accumulation dtype. One GEMM then serves
+all ``G`` query heads of a key/value head, and blocks of consecutive rows are
+blocks of consecutive query positions (what causal skipping needs).
+
+Math (per query block, over key blocks ``c``; Milakov & Gimelshein 2018,
+Dao et al. 2022/2023)::
+
+    S   = qs K_c^T  (+ mask: causal j > i, padding -> -inf)
+    m'  = max(m, rowmax S);  P = exp(S - m');  a = exp(m - m')
+    l   = a l + rowsum P;    O = a O + P V_c;  m = m'
+    end: O = O / l;  lse = m + log l      (no visible key: O = 0, lse = -inf)
+
+Backward, recomputing ``P`` from ``lse``::
+
+    D = rowsum(dO * O);  P = exp(qs K_c^T - lse)
+    dV_c += P^T dO;  dP = dO V_c^T;  dS = P * (dP - D)
+    dQ += s dS K_c;  dK_c += dS^T qs
+
+(``qs`` already carries ``s``, so ``dK_c`` needs no extra factor and ``dQ``
+is multiplied by ``s`` once at the end.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import backend
+
+__all__ = ["fold_queries", "unfold_rows", "ForwardState", "forward_block", "finalize",
+           "backward_block", "padding_bias", "DEFAULT_TILE"]
+
+#: Default tile edge (rows of queries x rows of keys) for the score block.
+DEFAULT_TILE = 512
+
+
+def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any) -> Any:
+    """``(B, H, n, F)`` -> ``(B, Hkv, n*G, F)`` in ``dtype``, times ``scale`` if given."""
+    xp = backend.array_module(q)
+    B, H, n, F = q.shape
+    G = H // hkv
+    out = xp.empty((B, hkv, n, G, F), dtype=dtype)
+    out[...] = q.reshape(B, hkv, G, n, F).transpose(0, 1, 3, 2, 4)
+    if scale is not None:
+        out *= scale
+    return out.reshape(B, hkv, n * G, F)
+
+
+def unfold_rows(x: Any, h: int) -> Any:
+    """Inverse of :func:`fold_queries` for ``(B, Hkv, n*G, ...)`` -> ``(B, H, n, ...)`` (a copy)."""
+    xp = backend.array_module(x)
+    B, hkv, nG = x.shape[:3]
+    rest = x.shape[3:]
+    G = h // hkv
+    n = nG // G if G else 0
+    y = x.reshape((B, hkv, n, G) + rest)
+    y = xp.moveaxis(y, 3, 2)
+    return xp.ascontiguousarray(y).reshape((B, h, n) + rest)
+
+
+def padding_bias(pad: Any, dtype: Any) -> Any:
+    """``(B, k)`` bool padding (True = ignore) -> additive bias ``(B, 1, 1, k)``: 0 or -inf."""
+    xp = backend.array_module(pad)
+    bias = xp.zeros(pad.shape, dtype=dtype)
+    bias[pad] = -np.inf
+    return bias[:, None, None, :]
+
+
+@dataclass
+class ForwardState:
+    """Running statistics of the online softmax for folded queries.
+
+    Attributes
+    ----------
+    m : (B, Hkv, n*G) running row maximum (-inf before any visible key)
+    l : (B, Hkv, n*G) running sum of ``exp(S - m)``
+    o : (B, Hkv, n*G, Ev) running ``sum exp(S - m) V`` (unnormalised)
+    """
+
+    m: Any
+    l: Any
+    o: Any
+
+    @classmethod
+    def empty(cls, qs: Any, ev: int) -> "ForwardState":
+        xp = backend.array_module(qs)
+        lead = qs.shape[:-1]
+        return cls(xp.full(lead, -np.inf, dtype=qs.dtype), xp.zeros(lead, dtype=qs.dtype),
+                   xp.zeros(lead + (ev,), dtype=qs.dtype))
+
+
+def _visibility(q_rows: np.ndarray, k_idx: np.ndarray, causal: bool) -> str:
+    """'none', 'all' or 'some' keys of the block visible to the query block (causal only)."""
+    if not causal or q_rows.size == 0 or k_idx.size == 0:
+        return "all"
+    if q_rows[-1] < k_idx[0]:
+        return "none"
+    if q_rows[0] >= k_idx[-1]:
+        return "all"
+    return "some"
+
+
+def _causal_bias(xp: Any, q_rows: np.ndarray, k_idx: np.ndarray, dtype: Any) -> Any:
+    hidden = k_idx[None, :] > q_rows[:, None]
+    bias = np.zeros(hidden.shape, dtype=dtype)
+    bias[hidden] = -np.inf
+    return backend.to_device(bias, xp)
+
+
+def _tiles(n: int, t: int) -> range:
+    return range(0, n, max(1, t))
+
+
+def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
+                  k: Any, v: Any, k_idx: np.ndarray, bias: Any = None,
+                  causal: bool = False, tile: int = DEFAULT_TILE) -> None:
+    """Fold one block of keys/values into the running state (in place).
+
+    Parameters
+    ----------
+    st : ForwardState
+        Running statistics for ``qs``.
+    qs : (B, Hkv, n*G, E)
+        Folded, scaled queries (accumulation dtype).
+    q_pos : (n,) int
+        Global positions of the queries (increasing within tiles that may be
+        skipped: the kernel only assumes ``q_pos`` is sorted per tile).
+    group : int
+        ``G = H // Hkv``.
+    k, v : (B, Hkv, k, E), (B, Hkv, k, Ev)
+        Key/value block (any float dtype; cast to ``qs.dtype`` per tile).
+    k_idx : (k,) int
+        Global positions of the keys, increasing.
+    bias : (B, 1, 1, k) or None
+        Additive padding bias from :func:`padding_bias`.
+    causal : bool
+        Hide key ``j`` from query ``i`` when ``j > i``.
+    tile : int
+        Edge of the score tile: at most ``tile*G x tile`` scores per (B, Hkv) at once.
+
+    Notes
+    -----
+    FLOPs: ``4 * B * H * n * k * E`` (E = Ev) for visible tiles; memory: one
+    score tile of ``B * Hkv * tile*G * tile`` accumulation words.
+    """
+    xp = backend.array_module(qs)
+    dt = qs.dtype
+    n = q_pos.size
+    for k0 in _tiles(k_idx.size, tile):
+        k1 = min(k0 + tile, k_idx.size)
+        kc = k[..., k0:k1, :].astype(dt, copy=False)
+        vc = v[..., k0:k1, :].astype(dt, copy=False)
+        kT = kc.swapaxes(-1, -2)
+        kb = None if bias is None else bias[..., k0:k1]
+        for i0 in _tiles(n, tile):
+            i1 = min(i0 + tile, n)
+            vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
+            if vis == "none":
+                continue
+            r0, r1 = i0 * group, i1 * group
+            S = xp.matmul(qs[..., r0:r1, :], kT)
+            if kb is not None:
+                S += kb
+            if vis == "some":
+                S += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
+            m_old = st.m[..., r0:r1]
+            m_new = xp.maximum(m_old, S.max(axis=-1))
+            shift = xp.where(xp.isneginf(m_new), dt.type(0), m_new)
+            S -= shift[..., None]
+            xp.exp(S, out=S)
+            alpha = xp.exp(m_old - shift)
+            st.l[..., r0:r1] *= alpha
+            st.l[..., r0:r1] += S.sum(axis=-1)
+            o = st.o[..., r0:r1, :]
+            o *= alpha[..., None]
+            o += xp.matmul(S, vc)
+            st.m[..., r0:r1] = m_new
+
+
+def finalize(st: ForwardState) -> tuple[Any, Any]:
+    """Normalise: ``O / l`` and ``lse = m + log l``; rows that saw no key get 0 and -inf."""
+    xp = backend.array_module(st.o)
+    seen = st.l > 0
+    l_safe = xp.where(seen, st.l, st.l.dtype.type(1))
+    o = st.o / l_safe[..., None]
+    lse = xp.where(seen, st.m + xp.log(l_safe), st.l.dtype.type(-np.inf))
+    return o, lse
+
+
+def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group: int,
+                   k: Any, v: Any, k_idx: np.ndarray, dq: Any, dk: Any, dv: Any,
+                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE) -> None:
+    """Accumulate the gradients of one key/value block (in place).
+
+    Parameters
+    ----------
+    qs : (B, Hkv, n*G, E)
+        Folded, scaled queries.
+    do : (B, Hkv, n*G, Ev)
+        Folded output gradient (accumulation dtype).
+    lse : (B, Hkv, n*G)
+        Folded log-sum-exp from the forward pass, with ``+inf`` in rows that
+        saw no key (so that their probabilities are exactly zero).
+    D : (B, Hkv, n*G)
+        ``rowsum(dO * O)``.
+    q_pos, group, k, v, k_idx, bias, causal, tile
+        As in :func:`forward_block`.
+    dq : (B, Hkv, n*G, E)
+        Accumulates ``dS K`` (multiply by the scale once at the end).
+    dk, dv : (B, Hkv, k, E), (B, Hkv, k, Ev)
+        Accumulate ``dS^T qs`` and ``P^T dO`` for this block.
+
+    Notes
+    -----
+    FLOPs: ``10 * B * H * n * k * E`` for visible tiles (five GEMMs).
+    """
+    xp = backend.array_module(qs)
+    dt = qs.dtype
+    n = q_pos.size
+    for k0 in _tiles(k_idx.size, tile):
+        k1 = min(k0 + tile, k_idx.size)
+        kc = k[..., k0:k1, :].astype(dt, copy=False)
+        vc = v[..., k0:k1, :].astype(dt, copy=False)
+        kT, vT = kc.swapaxes(-1, -2), vc.swapaxes(-1, -2)
+        kb = None if bias is None else bias[..., k0:k1]
+        dk_c, dv_c = dk[..., k0:k1, :], dv[..., k0:k1, :]
+        for i0 in _tiles(n, tile):
+            i1 = min(i0 + tile, n)
+            vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
+            if vis == "none":
+                continue
+            r0, r1 = i0 * group, i1 * group
+            q_t, do_t = qs[..., r0:r1, :], do[..., r0:r1, :]
+            P = xp.matmul(q_t, kT)
+            if kb is not None:
+                P += kb
+            if vis == "some":
+                P += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
+            P -= lse[..., r0:r1, None]
+            xp.exp(P, out=P)
+            dv_c += xp.matmul(P.swapaxes(-1, -2), do_t)
+            dS = xp.matmul(do_t, vT)
+            dS -= D[..., r0:r1, None]
+            dS *= P
+            dq[..., r0:r1, :] += xp.matmul(dS, kc)
+            dk_c += xp.matmul(dS.swapaxes(-1, -2), q_t)
