@@ -107,9 +107,9 @@ def _visibility(q_rows: np.ndarray, k_idx: np.ndarray, causal: bool) -> str:
     """'none', 'all' or 'some' keys of the block visible to the query block (causal only)."""
     if not causal or q_rows.size == 0 or k_idx.size == 0:
         return "all"
-    if q_rows[-1] < k_idx[0]:
+    if q_rows.max() < k_idx.min():
         return "none"
-    if q_rows[0] >= k_idx[-1]:
+    if q_rows.min() >= k_idx.max():
         return "all"
     return "some"
 
@@ -137,14 +137,13 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
     qs : (B, Hkv, n*G, E)
         Folded, scaled queries (accumulation dtype).
     q_pos : (n,) int
-        Global positions of the queries (increasing within tiles that may be
-        skipped: the kernel only assumes ``q_pos`` is sorted per tile).
+        Global positions of the queries (any order).
     group : int
         ``G = H // Hkv``.
     k, v : (B, Hkv, k, E), (B, Hkv, k, Ev)
         Key/value block (any float dtype; cast to ``qs.dtype`` per tile).
     k_idx : (k,) int
-        Global positions of the keys, increasing.
+        Global positions of the keys (any order).
     bias : (B, 1, 1, k) or None
         Additive padding bias from :func:`padding_bias`.
     causal : bool
