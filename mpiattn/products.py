@@ -1,0 +1,553 @@
+"""Sequence-sharded matrix products ``A·Bᵀ``, ``A·B``, ``Aᵀ·B`` and their backward.
+
+Every operand is sharded along its row axis (-2) by one layout (see
+:mod:`mpiattn.layouts`); columns are never sharded. Leading axes broadcast like
+:func:`numpy.matmul`.
+
+========== =============== =============== ==================== =================
+product    ``a`` (rank r)  ``b`` (rank r)  result (rank r)      how
+========== =============== =============== ==================== =================
+matmul_nt  (..., n_r, d)   (..., m_r, d)   (..., n_r, M)  A·Bᵀ  ring over B
+matmul_nn  (..., n_r, M)   (..., m_r, d)   (..., n_r, d)  A·B   ring over B
+matmul_tn  (..., m_r, N)   (..., m_r, d)   (..., n_r, d)  Aᵀ·B  ring reduce-scatter
+========== =============== =============== ==================== =================
+
+``N = sum(n_r)`` and ``M = sum(m_r)`` are global lengths, each laid out by the
+layout. nt and nn stream B's rows round the ring with :meth:`Comm.circulate`
+(the next piece in flight while the current one is multiplied). tn sends no
+operand: partial sums of the output rows travel round the ring and come home
+(O(block·d) words in flight per rank, never a full-size allreduce).
+
+The gradients close over the three products (the thesis' closure)::
+
+    C = A Bᵀ : dA = nn(dC, B),  dB = tn(dC, A)
+    C = A B  : dA = nt(dC, B),  dB = tn(A, dC)
+    C = Aᵀ B : dA = nt(B, dC),  dB = nn(A, dC)
+
+Conventions shared by all functions here
+----------------------------------------
+* dtypes float16, float32, float64; ``a`` and ``b`` must have the same dtype.
+  Products are computed and accumulated in float32 for float16/float32 input
+  and in float64 for float64 (:func:`mpiattn.backend.accum_dtype`); results
+  have the input dtype. Operand rows travel in the input dtype; tn's partial
+  sums travel in the accumulation dtype (rounding them to float16 at every hop
+  would lose accuracy P times).
+* Any strides are accepted: rows that travel are copied into contiguous
+  pieces, local operands are read through views. Subclasses that change the
+  meaning of the data (``numpy.ma.MaskedArray``, ``numpy.matrix``) and
+  anything that is not a NumPy/CuPy array are rejected with TypeError.
+* ``block_size`` (rows per exchanged piece) bounds temporary memory. With
+  ``None`` the library picks the largest block such that one travelling piece
+  (rows of B for nt/nn; partial sums for tn, all leading axes included) takes
+  at most :data:`PIECE_BYTES` bytes, clipped to ``[1, longest shard]``;
+  it is computed from metadata every rank has, so it is the same everywhere.
+* Bad input raises the same ValueError/TypeError on every rank: one metadata
+  allgather per call decides it before any data moves.
+
+Costs below use ``P`` ranks, ``L`` = the number of leading-index
+combinations of the result, ``L_b`` those of ``b``, ``k`` = block size, and
+``r+1`` for the next rank on the ring.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import backend
+from .comm import Comm, get_comm
+from .layouts import check_layout, local_length
+
+__all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
+           "matmul_nt_backward", "matmul_nn_backward", "matmul_tn_backward",
+           "PIECE_BYTES", "default_block_size"]
+
+#: Target bytes of one travelling piece when ``block_size`` is None (16 MiB).
+PIECE_BYTES = 16 * 2**20
+
+Shape = tuple[int, ...]
+
+
+# ---------------------------------------------------------------- validation
+def default_block_size(max_rows: int, row_bytes: int, piece_bytes: int | None = None) -> int:
+    """Rows per travelling piece chosen when ``block_size`` is None.
+
+    Parameters
+    ----------
+    max_rows : int
+        The longest shard of the travelling rows (no piece needs more).
+    row_bytes : int
+        Bytes of one travelling row, all leading axes included.
+    piece_bytes : int, optional
+        Memory target of one piece (default :data:`PIECE_BYTES`).
+
+    Returns
+    -------
+    int
+        ``clip(piece_bytes // row_bytes, 1, max(1, max_rows))``.
+    """
+    if piece_bytes is None:
+        piece_bytes = PIECE_BYTES
+    cap = max(1, int(max_rows))
+    if row_bytes <= 0:
+        return cap
+    return max(1, min(cap, int(piece_bytes) // int(row_bytes)))
+
+
+def _check_array(x: Any, name: str, op: str) -> None:
+    if isinstance(x, (np.ma.MaskedArray, np.matrix)):
+        raise TypeError(f"{op}: {name} is a {type(x).__name__}; pass a plain numpy.ndarray "
+                        "(masks and matrix semantics are not supported)")
+    try:
+        backend.array_module(x)
+    except TypeError as exc:
+        raise TypeError(f"{op}: {name}: {exc}") from None
+    backend.check_dtype(x.dtype, f"{op}: {name}")
+    if x.ndim < 2:
+        raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected at least 2 dimensions "
+                         "(..., rows, columns) with the sharded rows on axis -2")
+
+
+def _check_block_size(block_size: Any, op: str) -> int | None:
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool):
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}")
+    try:
+        k = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}") from None
+    if k < 1:
+        raise ValueError(f"{op}: block_size must be >= 1, got {k}")
+    return k
+
+
+def _gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any,
+                 block_size: Any) -> tuple[ModuleType, np.dtype, list[list[Shape]], str, int | None]:
+    """Local checks (collectively decided), then the one metadata allgather and cross-rank checks.
+
+    Returns the namespace, the common dtype, ``shapes[i][r]`` (operand i on
+    rank r), the layout and the requested block size (None for the default).
+    """
+    names = [nm for nm, _ in arrays]
+    with c.collective_errors():
+        check_layout(layout)
+        block_size = _check_block_size(block_size, op)
+        for nm, x in arrays:
+            _check_array(x, nm, op)
+        xp = backend.array_module(*(x for _, x in arrays))
+        dtypes = {nm: np.dtype(x.dtype) for nm, x in arrays}
+        if len(set(dtypes.values())) > 1:
+            listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
+            raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
+    dtype = np.dtype(arrays[0][1].dtype)
+    mine = (layout, block_size, str(dtype), tuple(tuple(int(s) for s in x.shape) for _, x in arrays))
+    meta_all = c.allgather_obj(mine)
+    # From here on every rank holds the same data and runs the same pure checks,
+    # so they raise the same error everywhere without further communication.
+    layout0, block0, dtype0, _ = meta_all[0]
+    for r, (lay, blk, dt, _) in enumerate(meta_all):
+        if lay != layout0:
+            raise ValueError(f"{op}: layout differs between ranks: {lay!r} on rank {r}, {layout0!r} on rank 0")
+        if blk != block0:
+            raise ValueError(f"{op}: block_size differs between ranks: {blk!r} on rank {r}, {block0!r} on rank 0")
+        if dt != dtype0:
+            raise TypeError(f"{op}: dtype differs between ranks: {dt} on rank {r}, {dtype0} on rank 0")
+    shapes = [[m[3][i] for m in meta_all] for i in range(len(names))]
+    for nm, per_rank in zip(names, shapes):
+        _same_except_rows(per_rank, nm, op)
+    return xp, dtype, shapes, layout, block_size
+
+
+def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
+    s0 = shapes[0]
+    for r, s in enumerate(shapes):
+        if len(s) != len(s0) or s[:-2] != s0[:-2] or s[-1] != s0[-1]:
+            raise ValueError(
+                f"{op}: {name} has shape {s} on rank {r} but {s0} on rank 0; only axis -2 "
+                "(the sharded rows) may differ between ranks")
+
+
+def _row_counts(shapes: list[Shape], name: str, op: str, layout: str) -> list[int]:
+    """Each rank's rows of an operand; they must be the layout's shares of their sum."""
+    counts = [s[-2] for s in shapes]
+    n, P = sum(counts), len(counts)
+    for r, got in enumerate(counts):
+        want = local_length(n, r, P, layout)
+        if got != want:
+            raise ValueError(
+                f"{op}: {name} has {got} rows on rank {r}, but the {layout} layout of {n} rows "
+                f"over {P} ranks gives rank {r} {want} rows (rows per rank: {counts})")
+    return counts
+
+
+def _broadcast_lead(sa: Shape, sb: Shape, op: str) -> Shape:
+    try:
+        return tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
+    except ValueError:
+        raise ValueError(f"{op}: leading axes of a {sa[:-2]} and b {sb[:-2]} do not broadcast "
+                         "(numpy.matmul rules)") from None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one ring needs, identical on every rank except ``out_rows``."""
+
+    lead: Shape     # broadcast leading shape of the result
+    n_ring: int     # global rows that travel: B's rows (nt, nn) or the output rows (tn)
+    out_rows: int   # this rank's rows of the result
+    out_cols: int   # last dimension of the result
+    block: int      # rows per travelling piece
+
+
+def _block(block_size: int | None, counts: list[int], row_bytes: int) -> int:
+    if block_size is not None:
+        return block_size
+    return default_block_size(max(counts, default=0), row_bytes)
+
+
+def _plan_nt(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_nt", names: tuple[str, str] = ("a", "b")) -> _Plan:
+    d_a, d_b = sa[0][-1], sb[0][-1]
+    if d_a != d_b:
+        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {d_a} columns, {names[1]} has "
+                         f"{d_b} (A·Bᵀ needs equal column counts)")
+    n = _row_counts(sa, names[0], op, layout)
+    m = _row_counts(sb, names[1], op, layout)
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    row_bytes = math.prod(sb[0][:-2]) * d_b * dtype.itemsize
+    return _Plan(lead, sum(m), n[rank], sum(m), _block(block_size, m, row_bytes))
+
+
+def _plan_nn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_nn", names: tuple[str, str] = ("a", "b")) -> _Plan:
+    n = _row_counts(sa, names[0], op, layout)
+    m = _row_counts(sb, names[1], op, layout)
+    if sa[0][-1] != sum(m):
+        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {sa[0][-1]} columns, but "
+                         f"{names[1]}'s rows add up to {sum(m)} over all ranks (A·B needs equal)")
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    d = sb[0][-1]
+    row_bytes = math.prod(sb[0][:-2]) * d * dtype.itemsize
+    return _Plan(lead, sum(m), n[rank], d, _block(block_size, m, row_bytes))
+
+
+def _plan_tn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_tn", names: tuple[str, str] = ("a", "b")) -> _Plan:
+    for r, (x, y) in enumerate(zip(sa, sb)):
+        if x[-2] != y[-2]:
+            raise ValueError(f"{op}: inner dimensions differ: on rank {r} {names[0]} has {x[-2]} rows "
+                             f"and {names[1]} has {y[-2]} (Aᵀ·B needs the same rows of both)")
+    _row_counts(sa, names[0], op, layout)
+    n_out = sa[0][-1]
+    out_counts = [local_length(n_out, r, len(sa), layout) for r in range(len(sa))]
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    d = sb[0][-1]
+    row_bytes = math.prod(lead) * d * backend.accum_dtype(dtype).itemsize
+    return _Plan(lead, n_out, out_counts[rank], d, _block(block_size, out_counts, row_bytes))
+
+
+# --------------------------------------------------------------- ring kernels
+def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
+    """``out[...] = x @ y``, straight into ``out`` where the namespace allows."""
+    if xp is np and out.dtype == x.dtype == y.dtype:
+        np.matmul(x, y, out=out)
+    else:
+        out[...] = xp.matmul(x, y)
+
+
+def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+    work = backend.accum_dtype(a.dtype)
+    out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
+    a_w = a.astype(work, copy=False)
+    with c.abort_on_error():
+        for piece in c.circulate((b,), plan.n_ring, layout, plan.block):
+            b_w = piece.data[0].astype(work, copy=False)
+            _matmul_into(xp, a_w, xp.swapaxes(b_w, -1, -2), out[..., piece.start:piece.stop])
+    return out
+
+
+def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+    work = backend.accum_dtype(a.dtype)
+    acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    with c.abort_on_error():
+        for piece in c.circulate((b,), plan.n_ring, layout, plan.block):
+            a_cols = a[..., piece.start:piece.stop].astype(work, copy=False)
+            acc += xp.matmul(a_cols, piece.data[0].astype(work, copy=False))
+    return acc.astype(a.dtype, copy=False)
+
+
+def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+    work = backend.accum_dtype(a.dtype)
+    acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    b_w = b.astype(work, copy=False)
+    with c.abort_on_error():
+        for piece in c.circulate((), plan.n_ring, layout, plan.block, acc_out=(acc,)):
+            a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(work, copy=False)
+            partial = piece.acc[0]  # a view: add in place (never rebind the tuple item)
+            partial += xp.matmul(a_cols_t, b_w)
+    return acc.astype(a.dtype, copy=False)
+
+
+def _sum_to_shape(xp: ModuleType, g: Any, shape: Shape) -> Any:
+    """Sum a broadcast gradient back to an operand's shape (numpy.matmul broadcasting)."""
+    if tuple(g.shape) == tuple(shape):
+        return g
+    extra = g.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(
+        extra + i for i, s in enumerate(shape[:-2]) if s == 1 and g.shape[extra + i] != 1)
+    # reduce in the accumulation dtype, return the operand's dtype
+    red = xp.sum(g, axis=axes, dtype=backend.accum_dtype(g.dtype))
+    return red.reshape(shape).astype(g.dtype, copy=False)
+
+
+# ------------------------------------------------------------------- forward
+def matmul_nt(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+              block_size: int | None = None) -> Any:
+    """This rank's rows of ``A·Bᵀ`` for row-sharded A and B.
+
+    Parameters
+    ----------
+    a : ndarray, shape (..., n_r, d)
+        This rank's rows of A (N x d).
+    b : ndarray, shape (..., m_r, d)
+        This rank's rows of B (M x d).
+    comm : mpi4py.MPI.Intracomm, optional
+        Default ``MPI.COMM_WORLD``.
+    layout : {"contiguous", "zigzag"}
+        Layout of both N and M rows.
+    block_size : int, optional
+        Rows of B per exchanged piece (default: see the module notes).
+
+    Returns
+    -------
+    ndarray, shape (broadcast(...), n_r, M)
+        Rows of ``A·Bᵀ``, columns in global order; dtype of the inputs.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, for bad or inconsistent input (see the module notes).
+
+    Notes
+    -----
+    FLOPs ``2·L·n_r·M·d``. Words sent per rank ``L_b·(M - m_{r+1})·d`` (B's
+    rows go round the ring; none go back to their owner), about as many
+    received. Peak extra memory: about three pieces of B, ``3·L_b·k·d``
+    words, plus sends not yet completed (one piece ahead per peer in
+    practice); for float16 also float32 copies of ``a`` and of one output tile
+    (``L·n_r·k``). The result itself is ``L·n_r·M`` words.
+    """
+    c = get_comm(comm)
+    op = "matmul_nt"
+    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = _plan_nt(sa, sb, layout, c.rank, block, dtype)
+    return _ring_nt(c, xp, a, b, plan, layout)
+
+
+def matmul_nn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+              block_size: int | None = None) -> Any:
+    """This rank's rows of ``A·B`` for row-sharded A (all M columns) and B.
+
+    Parameters
+    ----------
+    a : ndarray, shape (..., n_r, M)
+        This rank's rows of A (N x M), columns in global order.
+    b : ndarray, shape (..., m_r, d)
+        This rank's rows of B (M x d).
+    comm, layout, block_size
+        As in :func:`matmul_nt` (``block_size`` counts rows of B).
+
+    Returns
+    -------
+    ndarray, shape (broadcast(...), n_r, d)
+        Rows of ``A·B``; dtype of the inputs.
+
+    Notes
+    -----
+    FLOPs ``2·L·n_r·M·d``. Words sent per rank ``L_b·(M - m_{r+1})·d``, about
+    as many received. Peak extra memory: about ``3·L_b·k·d`` words of
+    pieces in flight plus the accumulator and one product, ``2·L·n_r·d``
+    (accumulation dtype; for float32/float64 the accumulator is the result);
+    for float16 also a float32 copy of a ``n_r x k`` column block of ``a``.
+    """
+    c = get_comm(comm)
+    op = "matmul_nn"
+    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = _plan_nn(sa, sb, layout, c.rank, block, dtype)
+    return _ring_nn(c, xp, a, b, plan, layout)
+
+
+def matmul_tn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+              block_size: int | None = None) -> Any:
+    """This rank's rows of ``Aᵀ·B`` for row-sharded A and B (a ring reduce-scatter).
+
+    Parameters
+    ----------
+    a : ndarray, shape (..., m_r, N)
+        This rank's rows of A (M x N), columns in global order.
+    b : ndarray, shape (..., m_r, d)
+        This rank's rows of B (M x d), the same rows as ``a``.
+    comm, layout, block_size
+        As in :func:`matmul_nt`; the N output rows are partitioned by the same
+        layout, and ``block_size`` counts output rows per travelling piece.
+
+    Returns
+    -------
+    ndarray, shape (broadcast(...), n_r, d)
+        This rank's ``n_r`` rows (of N, by the layout) of ``Aᵀ·B``.
+
+    Notes
+    -----
+    Every rank adds its contribution ``A_rᵀ B_r`` to each block of output rows
+    while that block's partial sum passes by; the sums come home to their
+    owner after P hops. FLOPs ``2·L·m_r·N·d``. Words sent per rank
+    ``L·(N - n_r)·d`` in the accumulation dtype (partial sums of every other
+    rank's rows), as many received; no operand moves. Peak extra memory:
+    about ``4·L·k·d`` accumulation-dtype words (pieces in flight and one
+    product), plus sends not yet completed; for float16 also the float32
+    result accumulator (``L·n_r·d``), a float32 copy of ``b`` and of one
+    ``k x m_r`` block of ``aᵀ``.
+    """
+    c = get_comm(comm)
+    op = "matmul_tn"
+    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = _plan_tn(sa, sb, layout, c.rank, block, dtype)
+    return _ring_tn(c, xp, a, b, plan, layout)
+
+
+# ------------------------------------------------------------------ backward
+def _check_dc(sdc: list[Shape], want: list[Shape], op: str, fwd: str) -> None:
+    for r, (got, exp) in enumerate(zip(sdc, want)):
+        if tuple(got) != tuple(exp):
+            raise ValueError(f"{op}: dc has shape {got} on rank {r}; expected {exp}, "
+                             f"the shape of {fwd}(a, b) there")
+
+
+def matmul_nt_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+                       block_size: int | None = None) -> tuple[Any, Any]:
+    """Gradients of ``C = A·Bᵀ`` (:func:`matmul_nt`): ``dA = dC·B``, ``dB = dCᵀ·A``.
+
+    Parameters
+    ----------
+    dc : ndarray, shape (broadcast(...), n_r, M)
+        This rank's rows of dL/dC.
+    a, b : ndarray
+        The forward operands, shapes (..., n_r, d) and (..., m_r, d).
+    comm, layout, block_size
+        As in :func:`matmul_nt`.
+
+    Returns
+    -------
+    da : ndarray, shape of ``a``
+        ``matmul_nn(dc, b)``, summed over axes where ``a`` was broadcast.
+    db : ndarray, shape of ``b``
+        ``matmul_tn(dc, a)``, summed likewise.
+
+    Notes
+    -----
+    FLOPs ``4·L·n_r·M·d``. Words sent per rank: ``L_b·(M - m_{r+1})·d`` (B's
+    rows) plus ``L·(M - m_r)·d`` partial sums. Peak extra memory: the larger of
+    the two products' (see :func:`matmul_nn`, :func:`matmul_tn`) plus the
+    broadcast gradients before they are summed (``L·n_r·d``, ``L·m_r·d``).
+    """
+    c = get_comm(comm)
+    op = "matmul_nt_backward"
+    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+        c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
+    fwd = _plan_nt(sa, sb, layout, c.rank, block, dtype, op)
+    want = [fwd.lead + (s[-2], fwd.out_cols) for s in sa]
+    _check_dc(sdc, want, op, "matmul_nt")
+    plan_a = _plan_nn(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
+    plan_b = _plan_tn(sdc, sa, layout, c.rank, block, dtype, op, ("dc", "a"))
+    da = _ring_nn(c, xp, dc, b, plan_a, layout)
+    db = _ring_tn(c, xp, dc, a, plan_b, layout)
+    return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
+
+
+def matmul_nn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+                       block_size: int | None = None) -> tuple[Any, Any]:
+    """Gradients of ``C = A·B`` (:func:`matmul_nn`): ``dA = dC·Bᵀ``, ``dB = Aᵀ·dC``.
+
+    Parameters
+    ----------
+    dc : ndarray, shape (broadcast(...), n_r, d)
+        This rank's rows of dL/dC.
+    a, b : ndarray
+        The forward operands, shapes (..., n_r, M) and (..., m_r, d).
+    comm, layout, block_size
+        As in :func:`matmul_nn`.
+
+    Returns
+    -------
+    da : ndarray, shape of ``a``
+        ``matmul_nt(dc, b)``, summed over axes where ``a`` was broadcast.
+    db : ndarray, shape of ``b``
+        ``matmul_tn(a, dc)``, summed likewise.
+
+    Notes
+    -----
+    FLOPs ``4·L·n_r·M·d``. Words sent per rank: ``L_b·(M - m_{r+1})·d`` (B's
+    rows) plus ``L·(M - m_r)·d`` partial sums. Peak extra memory: as
+    :func:`matmul_nt` and :func:`matmul_tn`, plus the broadcast gradients
+    before they are summed.
+    """
+    c = get_comm(comm)
+    op = "matmul_nn_backward"
+    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+        c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
+    fwd = _plan_nn(sa, sb, layout, c.rank, block, dtype, op)
+    want = [fwd.lead + (s[-2], fwd.out_cols) for s in sa]
+    _check_dc(sdc, want, op, "matmul_nn")
+    plan_a = _plan_nt(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
+    plan_b = _plan_tn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
+    da = _ring_nt(c, xp, dc, b, plan_a, layout)
+    db = _ring_tn(c, xp, a, dc, plan_b, layout)
+    return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
+
+
+def matmul_tn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+                       block_size: int | None = None) -> tuple[Any, Any]:
+    """Gradients of ``C = Aᵀ·B`` (:func:`matmul_tn`): ``dA = B·dCᵀ``, ``dB = A·dC``.
+
+    Parameters
+    ----------
+    dc : ndarray, shape (broadcast(...), n_r, d)
+        This rank's rows (of N, by the layout) of dL/dC.
+    a, b : ndarray
+        The forward operands, shapes (..., m_r, N) and (..., m_r, d).
+    comm, layout, block_size
+        As in :func:`matmul_tn`.
+
+    Returns
+    -------
+    da : ndarray, shape of ``a``
+        ``matmul_nt(b, dc)``, summed over axes where ``a`` was broadcast.
+    db : ndarray, shape of ``b``
+        ``matmul_nn(a, dc)``, summed likewise.
+
+    Notes
+    -----
+    FLOPs ``4·L·m_r·N·d``. Words sent per rank: about ``2·L_dc·(N - n_{r+1})·d``
+    (dC's rows go round the ring twice, once per product). Peak extra
+    memory: as :func:`matmul_nt` and :func:`matmul_nn`, plus the broadcast
+    gradients before they are summed.
+    """
+    c = get_comm(comm)
+    op = "matmul_tn_backward"
+    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+        c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
+    fwd = _plan_tn(sa, sb, layout, c.rank, block, dtype, op)
+    n_out, P = fwd.n_ring, len(sa)
+    want = [fwd.lead + (local_length(n_out, r, P, layout), fwd.out_cols) for r in range(P)]
+    _check_dc(sdc, want, op, "matmul_tn")
+    plan_a = _plan_nt(sb, sdc, layout, c.rank, block, dtype, op, ("b", "dc"))
+    plan_b = _plan_nn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
+    da = _ring_nt(c, xp, b, dc, plan_a, layout)
+    db = _ring_nn(c, xp, a, dc, plan_b, layout)
+    return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
