@@ -1,0 +1,324 @@
+"""Distributed attention against an independent float64 single-process reference.
+
+The reference below materialises the scores on the gathered (global) arrays;
+it shares no code with mpiattn. Gradients are checked against the analytic
+softmax backward of that reference and against finite differences.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import mpiattn
+from mpiattn import kernels
+
+from conftest import host
+
+STRATS = ["ring", "allgather", "ulysses", "materialized"]
+TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
+
+
+def reference(Q, K, V, causal=False, scale=None, mask=None, dO=None):
+    """float64 attention on global arrays: (out, lse) and, with dO, (dq, dk, dv)."""
+    Q, K, V = (np.asarray(x, dtype=np.float64) for x in (Q, K, V))
+    B, H, N, E = Q.shape
+    G = H // K.shape[1]
+    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
+    s = 1 / np.sqrt(E) if scale is None else scale
+    S = s * Q @ Kr.swapaxes(-1, -2)
+    visible = np.ones(S.shape, dtype=bool)
+    if causal:
+        visible &= np.arange(K.shape[2])[None, :] <= np.arange(N)[:, None]
+    if mask is not None:
+        visible &= ~mask[:, None, None, :]
+    S = np.where(visible, S, -np.inf)
+    any_vis = visible.any(-1)
+    m = np.where(any_vis, S.max(-1, initial=-np.inf), 0.0)
+    Pexp = np.where(visible, np.exp(S - m[..., None]), 0.0)
+    l = Pexp.sum(-1)
+    Pm = Pexp / np.where(any_vis, l, 1.0)[..., None]
+    out = Pm @ Vr
+    lse = np.where(any_vis, m + np.log(np.where(any_vis, l, 1.0)), -np.inf)
+    if dO is None:
+        return out, lse
+    dO = np.asarray(dO, dtype=np.float64)
+    dVr = Pm.swapaxes(-1, -2) @ dO
+    dP = dO @ Vr.swapaxes(-1, -2)
+    dS = Pm * (dP - (dP * Pm).sum(-1, keepdims=True))
+    dq = s * dS @ Kr
+    dKr = s * dS.swapaxes(-1, -2) @ Q
+    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
+    return out, lse, dq, fold(dKr), fold(dVr)
+
+
+def make_case(seed, B, H, Hkv, N, M, E, Ev, dtype, padding):
+    rng = np.random.default_rng(seed)
+    cast = lambda x: x.astype(dtype)  # noqa: E731 - inputs rounded to the dtype under test
+    Q = cast(rng.standard_normal((B, H, N, E)))
+    K = cast(rng.standard_normal((B, Hkv, M, E)))
+    V = cast(rng.standard_normal((B, Hkv, M, Ev)))
+    dO = cast(rng.standard_normal((B, H, N, Ev)))
+    mask = None
+    if padding == "random":
+        mask = rng.random((B, M)) < 0.3
+    elif padding == "one-batch-all":
+        mask = rng.random((B, M)) < 0.3
+        mask[0] = True
+    return Q, K, V, dO, mask
+
+
+def run(xp, Q, K, V, dO, mask, layout, **kw):
+    sh = lambda x, axis=-2: xp.asarray(mpiattn.shard(x, axis=axis, layout=layout))  # noqa: E731
+    q, k, v, do = sh(Q), sh(K), sh(V), sh(dO)
+    mk = None if mask is None else sh(mask, -1)
+    out, lse = mpiattn.attention(q, k, v, key_padding_mask=mk, layout=layout, **kw)
+    dq, dk, dv = mpiattn.attention_backward(do, q, k, v, out, lse, key_padding_mask=mk, layout=layout, **kw)
+    assert out.dtype == q.dtype and dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
+    assert lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
+    assert out.shape == q.shape[:3] + (V.shape[-1],) and lse.shape == q.shape[:3]
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    g = lambda x, axis=-2: mpiattn.gather(x, axis=axis, layout=layout, root=None)  # noqa: E731
+    return g(out), g(lse, -1), g(dq), g(dk), g(dv)
+
+
+def usable(strategy, comm, H, Hkv):
+    return not (strategy == "ulysses" and (H % comm.size or Hkv % comm.size))
+
+
+def assert_close(got, want, tol, what):
+    got = host(got).astype(np.float64)
+    scale = max(1.0, float(np.abs(want).max(initial=0)))
+    err = float(np.abs(got - want).max(initial=0)) / scale
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
+
+
+def check_all(res, ref, tol):
+    out, lse, dq, dk, dv = res
+    rout, rlse, rdq, rdk, rdv = ref
+    assert_close(out, rout, tol, "out")
+    lse = host(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
+    fin = np.isfinite(rlse)
+    assert_close(lse[fin], rlse[fin], tol, "lse")
+    for name, a, b in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert np.isfinite(host(a)).all(), f"{name} has NaN/Inf"
+        assert_close(a, b, 4 * tol, name)
+
+
+@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padding", [None, "random", "one-batch-all"])
+def test_float64_matrix(comm, xp, strategy, layout, causal, padding):
+    """Every strategy x layout x causal x padding, GQA, N != M, lengths not divisible by P or 2P."""
+    B, H, Hkv, N, M, E, Ev = 2, 4, 2, 23, 19, 8, 6
+    if not usable(strategy, comm, H, Hkv):
+        pytest.skip("ulysses needs heads divisible by P")
+    Q, K, V, dO, mask = make_case(1, B, H, Hkv, N, M, E, Ev, np.float64, padding)
+    res = run(xp, Q, K, V, dO, mask, layout, causal=causal, strategy=strategy, block_size=4)
+    ref = reference(Q, K, V, causal, None, mask, dO)
+    check_all(res, ref, TOL[np.float64])
+    if padding == "one-batch-all":  # every key of batch 0 masked: zeros, -inf, zero grads
+        assert np.all(host(res[0])[0] == 0) and np.all(np.isneginf(host(res[1])[0]))
+        assert np.all(host(res[2])[0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_low_precision(comm, xp, dtype, strategy, layout):
+    B, H, Hkv, N, M, E, Ev = 1, 4, 4, 30, 30, 16, 16
+    if not usable(strategy, comm, H, Hkv):
+        pytest.skip("ulysses needs heads divisible by P")
+    Q, K, V, dO, mask = make_case(2, B, H, Hkv, N, M, E, Ev, dtype, "random")
+    res = run(xp, Q, K, V, dO, mask, layout, causal=True, strategy=strategy, block_size=8)
+    check_all(res, reference(Q, K, V, True, None, mask, dO), TOL[dtype])
+
+
+@pytest.mark.parametrize("N,M", [(0, 5), (5, 0), (1, 1), (3, 11)])
+def test_tiny_and_empty_shards(comm, xp, N, M):
+    """Fewer rows than ranks: some ranks own nothing; M = 0 means no visible key."""
+    Q, K, V, dO, _ = make_case(3, 1, 2, 1, N, M, 4, 3, np.float64, None)
+    for strategy in ("ring", "allgather"):
+        res = run(xp, Q, K, V, dO, None, "zigzag", strategy=strategy, block_size=2)
+        check_all(res, reference(Q, K, V, False, None, None, dO), TOL[np.float64])
+
+
+def test_mqa_scale_and_defaults(comm, xp):
+    Q, K, V, dO, _ = make_case(4, 2, 3, 1, 17, 13, 5, 7, np.float64, None)
+    res = run(xp, Q, K, V, dO, None, "contiguous", scale=0.7)  # strategy auto, default block
+    check_all(res, reference(Q, K, V, False, 0.7, None, dO), TOL[np.float64])
+
+
+def test_strategies_agree_and_repeat_bitwise(comm, xp):
+    Q, K, V, dO, mask = make_case(5, 1, 4, 2, 26, 26, 8, 8, np.float64, "random")
+    results = {}
+    for strategy in STRATS:
+        if usable(strategy, comm, 4, 2):
+            results[strategy] = run(xp, Q, K, V, dO, mask, "zigzag", causal=True, strategy=strategy, block_size=5)
+    base = results.pop("ring")
+    for name, res in results.items():
+        for a, b in zip(base, res):
+            a, b = host(a), host(b)
+            fin = np.isfinite(a)
+            assert np.array_equal(fin, np.isfinite(b)), name
+            np.testing.assert_allclose(b[fin], a[fin], rtol=1e-12, atol=1e-12, err_msg=name)
+    again = run(xp, Q, K, V, dO, mask, "zigzag", causal=True, strategy="ring", block_size=5)
+    for a, b in zip(base, again):
+        assert host(a).tobytes() == host(b).tobytes()
+
+
+@pytest.mark.parametrize("strategy", STRATS)
+def test_gradients_by_finite_differences(comm, xp, strategy):
+    """d/dx of L = sum(W * out) for a few entries of q, k, v, by central differences."""
+    B, H, Hkv, N, M, E, Ev = 1, 2, 2, 7, 6, 3, 2
+    if not usable(strategy, comm, H, Hkv):
+        pytest.skip("ulysses needs heads divisible by P")
+    Q, K, V, W, mask = make_case(6, B, H, Hkv, N, M, E, Ev, np.float64, "random")
+    mask[:, 0] = False
+    layout = "zigzag"
+    kw = dict(causal=True, strategy=strategy, layout=layout, block_size=2)
+
+    def loss(Qx, Kx, Vx):
+        sh = lambda x, axis=-2: xp.asarray(mpiattn.shard(x, axis=axis, layout=layout))  # noqa: E731
+        out, _ = mpiattn.attention(sh(Qx), sh(Kx), sh(Vx), key_padding_mask=sh(mask, -1), **kw)
+        return float(np.sum(host(mpiattn.gather(out, layout=layout, root=None)) * W))
+
+    _, _, dq, dk, dv = run(xp, Q, K, V, W, mask, layout, **{k: v for k, v in kw.items() if k != "layout"})
+    rng = np.random.default_rng(7)
+    h = 1e-6
+    for name, X, grad in (("q", Q, dq), ("k", K, dk), ("v", V, dv)):
+        for idx in [tuple(rng.integers(0, s) for s in X.shape) for _ in range(4)]:
+            Xp, Xm = X.copy(), X.copy()
+            Xp[idx] += h
+            Xm[idx] -= h
+            args_p = [Xp if n == name else A for n, A in (("q", Q), ("k", K), ("v", V))]
+            args_m = [Xm if n == name else A for n, A in (("q", Q), ("k", K), ("v", V))]
+            fd = (loss(*args_p) - loss(*args_m)) / (2 * h)
+            assert abs(fd - host(grad)[idx]) < 1e-6 * max(1.0, abs(fd)), (name, idx, fd, host(grad)[idx])
+
+
+def test_zigzag_balances_causal_work(comm, monkeypatch):
+    """Causal + zigzag: every rank computes about half of its non-causal tiles."""
+    counts = {"computed": 0, "all": 0}
+    real = kernels._visibility
+
+    def counting(q_rows, k_idx, causal):
+        vis = real(q_rows, k_idx, causal)
+        counts["all"] += 1
+        counts["computed"] += vis != "none"
+        return vis
+
+    monkeypatch.setattr(kernels, "_visibility", counting)
+    N = 64 * comm.size
+    Q, K, V, _, _ = make_case(8, 1, 1, 1, N, N, 4, 4, np.float32, None)
+    sh = lambda x: mpiattn.shard(x, layout="zigzag")  # noqa: E731
+    mpiattn.attention(sh(Q), sh(K), sh(V), causal=True, layout="zigzag", strategy="ring", block_size=8)
+    frac = counts["computed"] / counts["all"]
+    fracs = comm.allgather_obj(frac)
+    assert all(0.4 <= f <= 0.65 for f in fracs), fracs
+
+
+# ----------------------------------------------------------------- bad input
+def _good(xp, layout="contiguous", N=12, M=10, dtype=np.float64):
+    Q, K, V, dO, _ = make_case(9, 1, 2, 1, N, M, 4, 3, dtype, None)
+    sh = lambda x: xp.asarray(mpiattn.shard(x, layout=layout))  # noqa: E731
+    return sh(Q), sh(K), sh(V), sh(dO)
+
+
+@pytest.mark.parametrize("case", ["E", "mkv", "heads", "mask_shape", "mask_dtype", "strategy",
+                                  "layout", "dtype_mix", "ndim", "not_array", "nan", "ulysses",
+                                  "block", "scale"])
+def test_bad_input_same_error_everywhere(comm, xp, case):
+    q, k, v, _ = _good(xp)
+    kw = {}
+    err, match = ValueError, None
+    if case == "E":
+        k = k[..., :3]
+        match = "feature size"
+    elif case == "mkv":
+        v = v[:, :, :0] if v.shape[2] else xp.zeros(v.shape[:2] + (1, v.shape[3]))
+        match = "must agree"
+    elif case == "heads":
+        q = xp.concatenate([q, q[:, :1]], axis=1)
+        k, v = xp.concatenate([k, k], axis=1), xp.concatenate([v, v], axis=1)
+        match = "multiple"
+    elif case == "mask_shape":
+        kw["key_padding_mask"] = xp.zeros((1, k.shape[2] + 1), dtype=bool)
+        match = "key_padding_mask must have shape"
+    elif case == "mask_dtype":
+        kw["key_padding_mask"] = xp.zeros((1, k.shape[2]), dtype=np.int8)
+        err, match = TypeError, "bool"
+    elif case == "strategy":
+        kw["strategy"] = "flash"
+        match = "unknown strategy"
+    elif case == "layout":
+        kw["layout"] = "striped"
+        match = "unknown layout"
+    elif case == "dtype_mix":
+        k = k.astype(np.float32)
+        err, match = TypeError, "one dtype"
+    elif case == "ndim":
+        q = q[0]
+        match = "4-D"
+    elif case == "not_array":
+        q = host(q).tolist()
+        err, match = TypeError, "ndarray"
+    elif case == "nan":
+        if comm.rank == comm.size - 1 and q.size:
+            q = q.copy()
+            q[(0,) * q.ndim] = np.nan
+        elif comm.rank == comm.size - 1:
+            k = k.copy()
+            k[(0,) * k.ndim] = np.inf
+        match = "NaN or Inf"
+    elif case == "ulysses":
+        q = xp.concatenate([q[:, :1]] * (comm.size + 1), axis=1)  # H = P + 1, Hkv = 1
+        kw["strategy"] = "ulysses"
+        if comm.size == 1:
+            mpiattn.attention(q, k, v, **kw)  # divides trivially on one rank
+            return
+        match = "divisible"
+    elif case == "block":
+        kw["block_size"] = 0
+        match = "block_size"
+    elif case == "scale":
+        kw["scale"] = float("nan")
+        match = "scale"
+    with pytest.raises(err, match=match):
+        mpiattn.attention(q, k, v, **kw)
+
+
+def test_nonfinite_allowed_when_asked(comm, xp):
+    q, k, v, _ = _good(xp)
+    if q.size:
+        q = q.copy()
+        q[(0,) * q.ndim] = np.inf
+    with np.errstate(invalid="ignore"):
+        out, _ = mpiattn.attention(q, k, v, check_finite=False)
+    assert out.shape[:3] == q.shape[:3]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rank_dependent_mistakes(comm, xp):
+    """Errors only one rank can see are raised, identically, on every rank."""
+    q, k, v, _ = _good(xp)
+    last = comm.rank == comm.size - 1
+    with pytest.raises(ValueError, match="layout of"):
+        mpiattn.attention(q if not last else xp.concatenate([q, q], axis=2), k, v)
+    with pytest.raises(ValueError, match="ranks disagree on causal"):
+        mpiattn.attention(q, k, v, causal=last)
+    with pytest.raises(ValueError, match="ranks disagree on layout"):
+        mpiattn.attention(q, k, v, layout="zigzag" if last else "contiguous")
+    with pytest.raises(ValueError, match="ranks disagree on dtype"):
+        mpiattn.attention(*(x.astype(np.float32) if last else x for x in (q, k, v)))
+
+
+def test_backward_shape_checks(comm, xp):
+    q, k, v, do = _good(xp)
+    out, lse = mpiattn.attention(q, k, v)
+    with pytest.raises(ValueError, match="dout must have shape"):
+        mpiattn.attention_backward(do[..., :1], q, k, v, out, lse)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        mpiattn.attention_backward(do, q, k, v, out, lse[..., None])
