@@ -129,28 +129,35 @@ def _check_block_size(block_size: Any, op: str) -> int | None:
 
 def _gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any,
                  block_size: Any) -> tuple[ModuleType, np.dtype, list[list[Shape]], str, int | None]:
-    """Local checks (collectively decided), then the one metadata allgather and cross-rank checks.
+    """Local checks and the metadata allgather (one collective), then the cross-rank checks.
 
     Returns the namespace, the common dtype, ``shapes[i][r]`` (operand i on
     rank r), the layout and the requested block size (None for the default).
     """
     names = [nm for nm, _ in arrays]
-    with c.collective_errors():
+
+    def local() -> tuple:
         check_layout(layout)
-        block_size = _check_block_size(block_size, op)
+        blk = _check_block_size(block_size, op)
         for nm, x in arrays:
             _check_array(x, nm, op)
-        xp = backend.array_module(*(x for _, x in arrays))
+        backend.array_module(*(x for _, x in arrays))
         dtypes = {nm: np.dtype(x.dtype) for nm, x in arrays}
         if len(set(dtypes.values())) > 1:
             listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
             raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
+        return (layout, blk, str(arrays[0][1].dtype),
+                tuple(tuple(int(s) for s in x.shape) for _, x in arrays))
+
+    # local checks and the metadata allgather in one collective: a local error
+    # becomes the same exception on every rank
+    meta_all = c.allgather_checked(local)
+    xp = backend.array_module(*(x for _, x in arrays))
     dtype = np.dtype(arrays[0][1].dtype)
-    mine = (layout, block_size, str(dtype), tuple(tuple(int(s) for s in x.shape) for _, x in arrays))
-    meta_all = c.allgather_obj(mine)
     # From here on every rank holds the same data and runs the same pure checks,
     # so they raise the same error everywhere without further communication.
     layout0, block0, dtype0, _ = meta_all[0]
+    block_size = block0
     for r, (lay, blk, dt, _) in enumerate(meta_all):
         if lay != layout0:
             raise ValueError(f"{op}: layout differs between ranks: {lay!r} on rank {r}, {layout0!r} on rank 0")
