@@ -1,0 +1,134 @@
+"""A single-process float64 reference for attention and its gradients.
+
+Plain NumPy on *global* arrays, with the score matrix materialised one block
+of query rows at a time. It is deliberately simple (no online softmax, no
+folding of heads, no MPI) so it can check the distributed code independently:
+``--check`` in the CLI and the tests compare against it.
+
+Conventions (those of :func:`mpiattn.attention`): query head ``h`` uses
+key/value head ``h // (H // Hkv)``; ``causal`` lets query ``i`` see key ``j``
+iff ``j <= i``; ``key_padding_mask[b, j]`` True hides key ``j``; a query that
+sees no key gets ``out = 0``, ``lse = -inf`` and zero gradients.
+
+Math, per batch ``b`` and query head ``h`` (``s`` the scale)::
+
+    S = s Q K^T (masked -> -inf);  lse = log sum_j exp S;  P = exp(S - lse)
+    O = P V
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dP * P))
+    dQ = s dS K;  dK = s dS^T Q
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["Reference", "reference", "reference_nbytes"]
+
+
+class Reference(NamedTuple):
+    """Reference results, all float64 NumPy arrays.
+
+    Attributes
+    ----------
+    out : (B, H, N, Ev)
+    lse : (B, H, N)
+    dq, dk, dv : (B, H, N, E), (B, Hkv, M, E), (B, Hkv, M, Ev), or None without ``dout``
+    """
+
+    out: np.ndarray
+    lse: np.ndarray
+    dq: np.ndarray | None
+    dk: np.ndarray | None
+    dv: np.ndarray | None
+
+
+def reference_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int = 256) -> int:
+    """Rough peak memory (bytes) of :func:`reference` for global shapes ``q``, ``k``, ``v``.
+
+    Counts the float64 copies of the inputs, the outputs with gradients, and
+    a few ``block_rows x M`` score blocks.
+    """
+    B, H, N, E = q_shape
+    _, hkv, M, Ev = v_shape
+    words = 3 * B * H * N * (E + Ev) + 3 * B * hkv * M * (E + Ev) + 6 * min(N, block_rows) * M
+    return 8 * int(words)
+
+
+def reference(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
+              scale: float | None = None, key_padding_mask: Any = None,
+              block_rows: int = 256) -> Reference:
+    """Exact attention (and, with ``dout``, its gradients) in float64 on one process.
+
+    Parameters
+    ----------
+    q : array_like, shape (B, H, N, E)
+    k : array_like, shape (B, Hkv, M, E)
+    v : array_like, shape (B, Hkv, M, Ev)
+    dout : array_like, shape (B, H, N, Ev), optional
+        Gradient of the loss with respect to ``out``; when given the
+        gradients ``dq``, ``dk``, ``dv`` are computed too.
+    causal : bool
+        Query ``i`` sees key ``j`` only when ``j <= i``.
+    scale : float, optional
+        Softmax scale ``s``; default ``1/sqrt(E)``.
+    key_padding_mask : array_like of bool, shape (B, M), optional
+        True marks a key to ignore.
+    block_rows : int
+        Query rows per materialised score block (bounds memory).
+
+    Returns
+    -------
+    Reference
+        ``out`` (B, H, N, Ev), ``lse`` (B, H, N) and the gradients, float64.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, H, N, E = q.shape
+    hkv, M, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if k.shape != (B, hkv, M, E) or v.shape[:3] != (B, hkv, M) or H % max(hkv, 1):
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    s = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    group = H // hkv if hkv else 1
+    hidden = np.zeros((B, M), dtype=bool) if key_padding_mask is None else np.asarray(key_padding_mask, bool)
+    if hidden.shape != (B, M):
+        raise ValueError(f"key_padding_mask has shape {hidden.shape}, expected {(B, M)}")
+    grads = dout is not None
+    if grads:
+        dout = np.asarray(dout, dtype=np.float64)
+        if dout.shape != (B, H, N, Ev):
+            raise ValueError(f"dout has shape {dout.shape}, expected {(B, H, N, Ev)}")
+
+    out = np.zeros((B, H, N, Ev))
+    lse = np.full((B, H, N), -np.inf)
+    dq = np.zeros_like(q) if grads else None
+    dk = np.zeros_like(k) if grads else None
+    dv = np.zeros_like(v) if grads else None
+    key_pos = np.arange(M)
+    for i0 in range(0, N, max(1, block_rows)):
+        i1 = min(N, i0 + max(1, block_rows))
+        hide = np.broadcast_to(hidden[:, None, :], (B, i1 - i0, M))
+        if causal:
+            hide = hide | (key_pos[None, None, :] > np.arange(i0, i1)[None, :, None])
+        for b in range(B):
+            for h in range(H):
+                kv = h // group
+                S = s * (q[b, h, i0:i1] @ k[b, kv].T)
+                S[hide[b]] = -np.inf
+                row_max = S.max(axis=1, initial=-np.inf)
+                seen = np.isfinite(row_max)
+                P = np.zeros_like(S)
+                P[seen] = np.exp(S[seen] - row_max[seen, None])
+                denom = P.sum(axis=1)
+                P[seen] /= denom[seen, None]
+                lse[b, h, i0:i1][seen] = row_max[seen] + np.log(denom[seen])
+                out[b, h, i0:i1] = P @ v[b, kv]
+                if grads:
+                    dO = dout[b, h, i0:i1]
+                    dv[b, kv] += P.T @ dO
+                    dP = dO @ v[b, kv].T
+                    dS = P * (dP - (dP * P).sum(axis=1, keepdims=True))
+                    dq[b, h, i0:i1] = s * (dS @ k[b, kv])
+                    dk[b, kv] += s * (dS.T @ q[b, h, i0:i1])
+    return Reference(out, lse, dq, dk, dv)
