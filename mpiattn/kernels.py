@@ -41,7 +41,7 @@ import numpy as np
 
 from . import backend
 
-__all__ = ["fold_queries", "unfold_rows", "ForwardState", "forward_block", "finalize",
+__all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "forward_block", "finalize",
            "backward_block", "padding_bias", "DEFAULT_TILE"]
 
 #: Default tile edge (rows of queries x rows of keys) for the score block.
@@ -80,6 +80,27 @@ def padding_bias(pad: Any, dtype: Any) -> Any:
     return bias[:, None, None, :]
 
 
+class Workspace:
+    """Reusable scratch buffers, so the tile loop allocates nothing.
+
+    ``get(name, shape, dtype)`` returns a C-contiguous array of ``shape``
+    carved from a grow-only flat buffer kept under ``name`` (its contents are
+    whatever was there before).
+    """
+
+    def __init__(self, xp: Any):
+        self.xp = xp
+        self._bufs: dict[str, Any] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        size = int(np.prod(shape, dtype=np.int64))
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self.xp.empty(max(size, 1), dtype=dtype)
+            self._bufs[name] = buf
+        return buf[:size].reshape(shape)
+
+
 @dataclass
 class ForwardState:
     """Running statistics of the online softmax for folded queries.
@@ -89,18 +110,20 @@ class ForwardState:
     m : (B, Hkv, n*G) running row maximum (-inf before any visible key)
     l : (B, Hkv, n*G) running sum of ``exp(S - m)``
     o : (B, Hkv, n*G, Ev) running ``sum exp(S - m) V`` (unnormalised)
+    ws : Workspace for the score tiles
     """
 
     m: Any
     l: Any
     o: Any
+    ws: Workspace
 
     @classmethod
     def empty(cls, qs: Any, ev: int) -> "ForwardState":
         xp = backend.array_module(qs)
         lead = qs.shape[:-1]
         return cls(xp.full(lead, -np.inf, dtype=qs.dtype), xp.zeros(lead, dtype=qs.dtype),
-                   xp.zeros(lead + (ev,), dtype=qs.dtype))
+                   xp.zeros(lead + (ev,), dtype=qs.dtype), Workspace(xp))
 
 
 def _visibility(q_rows: np.ndarray, k_idx: np.ndarray, causal: bool) -> str:
@@ -159,10 +182,12 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
     xp = backend.array_module(qs)
     dt = qs.dtype
     n = q_pos.size
+    lead = qs.shape[:2]
+    ws = st.ws
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
-        kc = k[..., k0:k1, :].astype(dt, copy=False)
-        vc = v[..., k0:k1, :].astype(dt, copy=False)
+        kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
+        vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
         kT = kc.swapaxes(-1, -2)
         kb = None if bias is None else bias[..., k0:k1]
         for i0 in _tiles(n, tile):
@@ -171,23 +196,30 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
             if vis == "none":
                 continue
             r0, r1 = i0 * group, i1 * group
-            S = xp.matmul(qs[..., r0:r1, :], kT)
+            rows = lead + (r1 - r0,)
+            S = xp.matmul(qs[..., r0:r1, :], kT, out=ws.get("S", rows + (k1 - k0,), dt))
             if kb is not None:
                 S += kb
             if vis == "some":
                 S += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
             m_old = st.m[..., r0:r1]
-            m_new = xp.maximum(m_old, S.max(axis=-1))
-            shift = xp.where(xp.isneginf(m_new), dt.type(0), m_new)
+            m_new = S.max(axis=-1, out=ws.get("m_new", rows, dt))
+            xp.maximum(m_new, m_old, out=m_new)
+            shift = ws.get("shift", rows, dt)
+            shift[...] = m_new
+            shift[xp.isneginf(m_new)] = 0  # no visible key yet: exp(-inf - 0) = 0
             S -= shift[..., None]
             xp.exp(S, out=S)
-            alpha = xp.exp(m_old - shift)
-            st.l[..., r0:r1] *= alpha
-            st.l[..., r0:r1] += S.sum(axis=-1)
+            alpha = ws.get("alpha", rows, dt)
+            xp.subtract(m_old, shift, out=alpha)
+            xp.exp(alpha, out=alpha)
+            l = st.l[..., r0:r1]
+            l *= alpha
+            l += S.sum(axis=-1, out=ws.get("rowsum", rows, dt))
             o = st.o[..., r0:r1, :]
             o *= alpha[..., None]
-            o += xp.matmul(S, vc)
-            st.m[..., r0:r1] = m_new
+            o += xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
+            m_old[...] = m_new
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:
@@ -202,7 +234,8 @@ def finalize(st: ForwardState) -> tuple[Any, Any]:
 
 def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group: int,
                    k: Any, v: Any, k_idx: np.ndarray, dq: Any, dk: Any, dv: Any,
-                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE) -> None:
+                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE,
+                   ws: Workspace | None = None) -> None:
     """Accumulate the gradients of one key/value block (in place).
 
     Parameters
@@ -222,38 +255,46 @@ def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group:
         Accumulates ``dS K`` (multiply by the scale once at the end).
     dk, dv : (B, Hkv, k, E), (B, Hkv, k, Ev)
         Accumulate ``dS^T qs`` and ``P^T dO`` for this block.
+    ws : Workspace, optional
+        Scratch buffers to reuse across calls.
 
     Notes
     -----
     FLOPs: ``10 * B * H * n * k * E`` for visible tiles (five GEMMs).
     """
     xp = backend.array_module(qs)
+    ws = Workspace(xp) if ws is None else ws
     dt = qs.dtype
     n = q_pos.size
+    lead = qs.shape[:2]
+    E, Ev = qs.shape[-1], do.shape[-1]
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
-        kc = k[..., k0:k1, :].astype(dt, copy=False)
-        vc = v[..., k0:k1, :].astype(dt, copy=False)
+        kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
+        vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
         kT, vT = kc.swapaxes(-1, -2), vc.swapaxes(-1, -2)
         kb = None if bias is None else bias[..., k0:k1]
         dk_c, dv_c = dk[..., k0:k1, :], dv[..., k0:k1, :]
+        kk = k1 - k0
         for i0 in _tiles(n, tile):
             i1 = min(i0 + tile, n)
             vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
             if vis == "none":
                 continue
             r0, r1 = i0 * group, i1 * group
+            rows = lead + (r1 - r0,)
             q_t, do_t = qs[..., r0:r1, :], do[..., r0:r1, :]
-            P = xp.matmul(q_t, kT)
+            P = xp.matmul(q_t, kT, out=ws.get("P", rows + (kk,), dt))
             if kb is not None:
                 P += kb
             if vis == "some":
                 P += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
             P -= lse[..., r0:r1, None]
             xp.exp(P, out=P)
-            dv_c += xp.matmul(P.swapaxes(-1, -2), do_t)
-            dS = xp.matmul(do_t, vT)
+            PT = P.swapaxes(-1, -2)
+            dv_c += xp.matmul(PT, do_t, out=ws.get("dv", lead + (kk, Ev), dt))
+            dS = xp.matmul(do_t, vT, out=ws.get("dS", rows + (kk,), dt))
             dS -= D[..., r0:r1, None]
             dS *= P
-            dq[..., r0:r1, :] += xp.matmul(dS, kc)
-            dk_c += xp.matmul(dS.swapaxes(-1, -2), q_t)
+            dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
+            dk_c += xp.matmul(dS.swapaxes(-1, -2), q_t, out=ws.get("dk", lead + (kk, E), dt))

@@ -249,11 +249,12 @@ def _ring_backward(c: Comm, pb: _Problem, qs: Any, do: Any, lse: Any, D: Any, k:
     dv = xp.zeros(v.shape, dtype=pb.acc)
     data = [k, v] + ([mask[:, :, None]] if pb.masked else [])
     total = _n_pieces(pb.M, pb.P, pb.layout, pb.block)
+    ws = kernels.Workspace(xp)
     for i, piece in enumerate(c.circulate(data, pb.M, pb.layout, pb.block, acc_out=[dk, dv])):
         bias = _mask_piece(piece.data[2][..., 0], pb.acc) if pb.masked else None
         kernels.backward_block(qs, do, lse, D, q_pos, pb.G, piece.data[0], piece.data[1],
                                np.arange(piece.start, piece.stop), dq, piece.acc[0], piece.acc[1],
-                               bias, pb.causal, pb.block)
+                               bias, pb.causal, pb.block, ws)
         _report(progress, i + 1, total)
     return dq, dk, dv
 
@@ -311,6 +312,7 @@ def _allgather_backward(c: Comm, pb: _Problem, qs: Any, do: Any, lse: Any, D: An
     dk = xp.zeros(k.shape, dtype=pb.acc)
     dv = xp.zeros(v.shape, dtype=pb.acc)
     rounds, pos = _gather_rounds(pb)
+    ws = kernels.Workspace(xp)
     for t, counts in enumerate(rounds):
         got = _gather_round(c, pb, t, counts, [k, v] + ([mask[:, :, None]] if pb.masked else []))
         bias = _mask_piece(got[2][..., 0], pb.acc) if pb.masked else None
@@ -318,7 +320,7 @@ def _allgather_backward(c: Comm, pb: _Problem, qs: Any, do: Any, lse: Any, D: An
         dv_t = xp.zeros(got[1].shape, dtype=pb.acc)
         kernels.backward_block(qs, do, lse, D, q_pos, pb.G, got[0], got[1],
                                _round_positions(pos, counts, t, pb.block), dq, dk_t, dv_t,
-                               bias, pb.causal, pb.block)
+                               bias, pb.causal, pb.block, ws)
         lo = t * pb.block
         mine = counts[c.rank]
         for acc, part in ((dk, dk_t), (dv, dv_t)):
