@@ -1,0 +1,571 @@
+"""Benchmark mpiattn beside plain GEMMs, a materialising reference and PyTorch.
+
+``python -m mpiattn bench`` (no arguments) runs a quick sweep (about a
+minute); ``--suite`` picks larger ones (``issue3``, ``targets``, ``scaling``,
+``strategies``, ``products``, ``memory``, ``full``) and every option below
+overrides the suite's choice.
+
+How it runs
+-----------
+Started as one process (``python -m mpiattn bench``), it launches a fresh
+``mpiexec -n P python -m mpiattn.bench --worker FILE`` job for every case, so
+that each case's peak resident memory (``ru_maxrss``) is its own, and so
+that one command can sweep ``P``. Started under ``mpiexec -n P`` (or with
+``--in-process``) it runs every case in that job at its ``P`` instead (then
+memory high-waters accumulate across cases: marked ``"fresh": false``).
+
+Each case's records are JSON lines (``--json FILE`` appends them); the table
+at the end adds the fractions of the GEMM ceilings, strong and weak scaling,
+the memory-per-rank curve and the targets (see :mod:`mpiattn.bench_report`);
+``--plot DIR`` draws PNGs (:mod:`mpiattn.bench_plot`, needs matplotlib).
+
+Timing rules: one BLAS thread per rank (``--threads``, passed to the workers
+as OPENBLAS/OMP/MKL_NUM_THREADS), never more ranks than usable cores for
+timings (larger ``P`` only for the memory curve, with
+``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``), median of ``--repeat`` (>= 5) runs after
+``--warmup`` full-size runs and one small warm-up problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from . import bench_report
+from .bench_workloads import estimate_bytes
+
+__all__ = ["add_arguments", "run", "SUITES", "parse_size", "parse_count"]
+
+K = 1024
+MiB = 2**20
+
+#: Presets: each suite is a list of plans; explicit command-line options override every plan.
+SUITES: dict[str, list[dict]] = {
+    "quick": [dict(name="quick", n=[4 * K, 8 * K], ranks=[1, 2], impl=["ring"],
+                   peers=["gemm", "reference", "torch"], peers_n=[4 * K], products=["nt", "nn", "tn"],
+                   product_n=[4 * K])],
+    "issue3": [dict(name="issue3", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
+                    peers=["gemm", "reference"])],
+    "targets": [dict(name="targets", n=[32 * K], ranks=[1, 2], impl=["ring"],
+                     peers=["gemm", "reference", "torch"]),
+                dict(name="targets-memory", n=[64 * K], ranks=[1, 2], impl=["ring"], peers=["gemm"],
+                     repeat=5, warmup=0)],
+    "scaling": [dict(name="scaling", n=[8 * K, 16 * K, 32 * K], ranks=[1, 2], impl=["ring"], peers=["gemm"])],
+    "strategies": [dict(name="strategies", n=[16 * K], ranks=[2], heads=2, kv_heads=2,
+                        impl=["ring", "allgather", "ulysses", "materialized"], peers=["gemm"]),
+                   dict(name="causal", n=[32 * K], ranks=[1, 2], impl=["ring"], causal="on",
+                        layout="zigzag", peers=["gemm"])],
+    "products": [dict(name="products", n=[], ranks=[1, 2], products=["nt", "nn", "tn"],
+                      product_n=[8 * K, 16 * K], peers=["gemm"])],
+    "memory": [dict(name="memory", n=[], ranks=[], peers=[], memory_curve=True)],
+}
+SUITES["full"] = [
+    dict(name="issue3+targets", n=[16 * K, 32 * K], ranks=[1, 2], impl=["ring"],
+         peers=["gemm", "reference", "torch"]),
+    dict(name="issue3-64k", n=[64 * K], ranks=[1, 2], impl=["ring"], peers=["gemm", "reference"], warmup=0),
+    *SUITES["strategies"], *SUITES["products"], *SUITES["memory"],
+]
+
+_PLAN_DEFAULTS = dict(n=[4 * K], ranks=[1], impl=["ring"], peers=["gemm"], peers_n=None, passes=["fwd", "fwdbwd"],
+                      batch=1, heads=1, kv_heads=None, head_dim=64, v_dim=None, dtype="float32", causal="off",
+                      layout="contiguous", block=None, repeat=5, warmup=1, products=[], product_n=[],
+                      product_dim=64, memory_curve=False, memory_cap=128 * MiB, memory_ranks=[1, 2, 4],
+                      memory_pass="fwdbwd")
+
+
+# ----------------------------------------------------------------- argument types
+def parse_count(text: str) -> int:
+    """``"4096"``, ``"4k"``, ``"64K"`` -> int (k = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (use e.g. 4096, 32k)")
+    return int(m.group(1)) * {"": 1, "k": K, "m": K * K}[m.group(2).lower()]
+
+
+def parse_size(text: str) -> int:
+    """``"512M"``, ``"20G"``, ``"1.5GiB"``, ``"123456"`` (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (use e.g. 512M, 20G)")
+    value = float(m.group(1)) * 1024 ** "_kmgt".index((m.group(2) or "_").lower())
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
+    return int(value)
+
+
+def _list_of(conv: Any) -> Any:
+    def parse(text: str) -> list:
+        items = [x for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        return [conv(x.strip()) for x in items]
+    return parse
+
+
+def _positive(text: str) -> int:
+    v = parse_count(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def _choices(allowed: tuple[str, ...]) -> Any:
+    def conv(x: str) -> str:
+        if x not in allowed:
+            raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(allowed)}")
+        return x
+    return conv
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``bench`` options on ``parser`` (a subcommand's parser)."""
+    g = parser.add_argument_group("what to run")
+    g.add_argument("--suite", default="quick", choices=sorted(SUITES),
+                   help="preset (default quick, about a minute); the options below override it")
+    g.add_argument("-n", "--seq", dest="n", type=_list_of(_positive), metavar="N[,N..]",
+                   help="global sequence lengths N = M (4k = 4096)")
+    g.add_argument("--ranks", type=_list_of(_positive), metavar="P[,P..]",
+                   help="rank counts to launch (timings only up to the number of usable cores)")
+    g.add_argument("--impl", type=_list_of(_choices(("ring", "allgather", "ulysses", "materialized", "auto"))),
+                   metavar="S[,S..]", help="mpiattn strategies to time")
+    g.add_argument("--peers", type=_list_of(_choices(("gemm", "reference", "torch", "none"))),
+                   metavar="X[,X..]", help="side by side: gemm (ceilings), reference (materialising, 1 process), "
+                                           "torch (scaled_dot_product_attention, 1 process), or none")
+    g.add_argument("--passes", type=_list_of(_choices(("fwd", "fwdbwd"))), metavar="fwd,fwdbwd")
+    g.add_argument("--products", type=_list_of(_choices(("nt", "nn", "tn", "none"))), metavar="nt,nn,tn",
+                   help="also time the sequence-sharded products (or none)")
+    g.add_argument("--product-n", type=_list_of(_positive), metavar="N[,N..]")
+    g.add_argument("--product-dim", type=_positive, metavar="d")
+    g.add_argument("--memory-curve", action="store_true", default=None,
+                   help="find the largest N within --memory-cap per rank at each of --memory-ranks")
+    g.add_argument("--memory-cap", type=parse_size, metavar="SIZE", help="per-rank cap of the curve (default 128M)")
+    g.add_argument("--memory-ranks", type=_list_of(_positive), metavar="P[,P..]", help="default 1,2,4")
+    s = parser.add_argument_group("problem")
+    s.add_argument("--batch", type=_positive, metavar="B")
+    s.add_argument("--heads", type=_positive, metavar="H")
+    s.add_argument("--kv-heads", type=_positive, metavar="Hkv", help="default H")
+    s.add_argument("--head-dim", type=_positive, metavar="E")
+    s.add_argument("--v-dim", type=_positive, metavar="Ev", help="default E")
+    s.add_argument("--dtype", choices=("float16", "float32", "float64"))
+    s.add_argument("--causal", choices=("off", "on", "both"))
+    s.add_argument("--layout", choices=("contiguous", "zigzag"))
+    s.add_argument("--block-size", dest="block", type=_positive, metavar="T", help="default: the library's (512)")
+    r = parser.add_argument_group("how")
+    r.add_argument("--repeat", type=_positive, help="timed repeats (median; at least 5 for reported numbers)")
+    r.add_argument("--warmup", type=int, help="untimed full-size calls before them (default 1)")
+    r.add_argument("--max-memory", type=parse_size, metavar="SIZE",
+                   help="per-rank limit: cases whose estimate exceeds it are skipped "
+                        "(default 90%% of available memory / ranks)")
+    r.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    r.add_argument("--threads", type=_positive, default=1, help="BLAS (and torch) threads per rank (default 1)")
+    r.add_argument("--check-finite", action="store_true", help="keep the NaN/Inf input check in timed calls")
+    r.add_argument("--in-process", action="store_true", help="run in this MPI job instead of launching jobs")
+    r.add_argument("--mpiexec", metavar="CMD", help="launcher (default: mpiexec beside python, else on PATH)")
+    r.add_argument("--allow-oversubscribe", action="store_true",
+                   help="time with more ranks than usable cores (numbers are then not meaningful)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="append every record as a JSON line")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib)")
+    o.add_argument("--quiet", "-q", action="store_true", help="print only the table")
+    parser.add_argument("--worker", metavar="FILE", help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------- plans -> tasks
+def _plans(args: argparse.Namespace) -> list[dict]:
+    plans = []
+    explicit = {k: getattr(args, k) for k in _PLAN_DEFAULTS if getattr(args, k, None) is not None}
+    for preset in SUITES[args.suite]:
+        plan = dict(_PLAN_DEFAULTS, **preset)
+        plan.update(explicit)
+        if "n" in explicit:   # the user's sizes also apply where the suite had no attention runs
+            plan["peers_n"] = None
+        plans.append(plan)
+    return plans
+
+
+def _attention_base(plan: dict, N: int, causal: bool, device: str, check_finite: bool) -> dict:
+    H = plan["heads"]
+    E = plan["head_dim"]
+    return dict(workload="attention", B=plan["batch"], H=H, Hkv=plan["kv_heads"] or H, N=N, M=N, E=E,
+                Ev=plan["v_dim"] or E, dtype=plan["dtype"], causal=causal, layout=plan["layout"],
+                block=plan["block"], passes=list(plan["passes"]), repeat=plan["repeat"], warmup=plan["warmup"],
+                device=device, check_finite=check_finite, plan=plan["name"])
+
+
+def build_tasks(args: argparse.Namespace) -> tuple[list[tuple[int, dict]], list[dict]]:
+    """``[(P, task), ...]`` to run, and the memory-curve plans."""
+    tasks: list[tuple[int, dict]] = []
+    curves = []
+    for plan in _plans(args):
+        peers = [p for p in plan["peers"] if p != "none"]
+        causals = {"off": [False], "on": [True], "both": [False, True]}[plan["causal"]]
+        for N in plan["n"]:
+            for causal in causals:
+                base = _attention_base(plan, N, causal, args.device, args.check_finite)
+                for P in plan["ranks"]:
+                    for impl in plan["impl"]:
+                        tasks.append((P, dict(base, impl=impl)))
+                    if "gemm" in peers:
+                        tasks.append((P, dict(base, workload="gemm_tile", passes=None,
+                                              tile_key=list(bench_report.tile_key(base, P)))))
+                with_peers = plan["peers_n"] is None or N in plan["peers_n"]
+                for peer in ("reference", "torch"):
+                    if peer in peers and with_peers:
+                        tasks.append((1, dict(base, impl=peer)))
+                        if "gemm" in peers and 1 not in plan["ranks"]:
+                            tasks.append((1, dict(base, workload="gemm_tile", passes=None,
+                                                  tile_key=list(bench_report.tile_key(base, 1)))))
+        ops = [o for o in plan["products"] if o != "none"]
+        for N in plan["product_n"] if ops else []:
+            for P in plan["ranks"]:
+                for op in ops:
+                    tasks.append((P, dict(workload="product", op=op, N=N, M=N, d=plan["product_dim"],
+                                          dtype=plan["dtype"], layout=plan["layout"], block=plan["block"],
+                                          repeat=plan["repeat"], warmup=plan["warmup"], device=args.device,
+                                          plan=plan["name"])))
+        if peers and "gemm" in peers:
+            for P in sorted({P for P, t in tasks}):
+                tasks.append((P, dict(workload="gemm_square", dtype=plan["dtype"], size=2048, repeat=5,
+                                      device=args.device, plan=plan["name"])))
+        if plan["memory_curve"]:
+            curves.append(plan)
+    return _dedupe(tasks), curves
+
+
+def _dedupe(tasks: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """Drop repeated GEMM ceilings (same P and shapes); keep the first of each."""
+    seen, out = set(), []
+    for P, t in tasks:
+        if t["workload"] in ("gemm_square", "gemm_tile"):
+            key = (P, t["workload"], t["dtype"], json.dumps(t.get("tile_key")), t.get("device"))
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append((P, t))
+    return out
+
+
+# ----------------------------------------------------------------- launching
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(ln.split(":", 1) for ln in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 * 2**30
+
+
+def _launcher(args: argparse.Namespace) -> list[str]:
+    if args.mpiexec:
+        return shlex.split(args.mpiexec)
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return [local if os.path.exists(local) else (shutil.which("mpiexec") or shutil.which("mpirun") or "mpiexec")]
+
+
+_MPI_ENV = re.compile(r"^(PMI_|PMIX_|HYDRA_|MPI_LOCAL|OMPI_COMM_WORLD|OMPI_UNIVERSE|OMPI_MCA_ess|OMPI_MCA_pmix|"
+                      r"OMPI_MCA_orte|OMPI_FILE_LOCATION|OMPI_APP_CTX|OMPI_FIRST_RANKS|PRTE_|I_MPI_HYDRA)")
+
+
+def _worker_env(args: argparse.Namespace, P: int) -> dict:
+    """The parent's environment without its own MPI job's variables, with the thread counts set."""
+    env = {k: v for k, v in os.environ.items() if not _MPI_ENV.match(k)}
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(args.threads)
+    if P * args.threads > _usable_cores():
+        env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"   # waiting MPICH ranks yield the core
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _spawn(args: argparse.Namespace, P: int, tasks: list[dict], cfg: dict, log: Any) -> list[dict]:
+    """Run ``tasks`` in one fresh ``mpiexec -n P`` job; its records (or one error record per task)."""
+    with tempfile.TemporaryDirectory(prefix="mpiattn-bench-") as tmp:
+        cfg_path, out_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "out.jsonl")
+        with open(cfg_path, "w") as f:
+            json.dump(dict(cfg, tasks=tasks, out=out_path), f)
+        cmd = _launcher(args) + ["-n", str(P), sys.executable, "-m", "mpiattn.bench", "--worker", cfg_path]
+        try:
+            proc = subprocess.run(cmd, env=_worker_env(args, P), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=cfg.get("timeout", 4 * 3600))
+            text, code = proc.stdout, proc.returncode
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text, code = str(exc), -1
+        records = []
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                records = [json.loads(ln) for ln in f if ln.strip()]
+        if code != 0:
+            tail = " | ".join(text.strip().splitlines()[-6:])
+            log(f"    worker failed (exit {code}): {tail}")
+            done = len([r for r in records if r.get("workload") != "env"])
+            if done == 0:
+                records += [dict(t, P=P, status="error", reason=f"worker exit {code}: {tail[-300:]}") for t in tasks]
+        return records
+
+
+# ----------------------------------------------------------------- the worker
+def _device_module(c: Any, device: str) -> Any:
+    import numpy as np
+
+    if device == "cpu":
+        return np
+    import cupy
+
+    try:
+        from . import gpu
+        gpu.bind_device(c.mpi)
+    except (ImportError, AttributeError):
+        local = c.mpi.Split_type(__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_TYPE_SHARED)
+        cupy.cuda.Device(local.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+        local.Free()
+    return cupy
+
+
+def run_in_job(c: Any, tasks: list[dict], cfg: dict, emit: Any) -> None:
+    """Run ``tasks`` on every rank of ``c`` (the worker's loop); ``emit(records)`` is called on every rank."""
+    from .bench_workloads import MemoryMeter, environment, run_task
+
+    xp = _device_module(c, cfg.get("device", "cpu"))
+    mem = MemoryMeter(xp)
+    emit([dict(workload="env", P=c.size, **environment())])
+    oversub = c.size * int(cfg.get("threads", 1)) > int(cfg.get("cores", _usable_cores()))
+    for t in tasks:
+        with c.abort_on_error():
+            recs = run_task(c, xp, t, cfg, mem)
+        for rec in recs:
+            rec.setdefault("P", c.size)
+            rec["fresh"] = bool(cfg.get("fresh", False))
+            if oversub and rec.get("workload") != "env":
+                rec["oversubscribed"] = True
+        emit(recs)
+
+
+def _worker_main(path: str) -> int:
+    from mpi4py import MPI
+
+    from .comm import get_comm
+
+    with open(path) as f:
+        cfg = json.load(f)
+    c = get_comm(MPI.COMM_WORLD)
+    out = open(cfg["out"], "a") if c.rank == 0 else None
+
+    def emit(records: list[dict]) -> None:
+        if out is not None:
+            for r in records:
+                out.write(json.dumps(r) + "\n")
+            out.flush()
+
+    try:
+        run_in_job(c, cfg["tasks"], cfg, emit)
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+# ----------------------------------------------------------------- memory curve
+def _largest_n(task: dict, P: int, budget: int, grain: int) -> int:
+    """Largest multiple of ``grain`` whose estimate fits ``budget`` bytes per rank (0 if none)."""
+    lo, hi = 0, grain
+    while estimate_bytes(dict(task, N=hi, M=hi), P, task["passes"][0]) <= budget and hi < 2**31:
+        lo, hi = hi, hi * 2
+    while hi - lo > grain:
+        mid = (lo + hi) // 2 // grain * grain
+        if estimate_bytes(dict(task, N=mid, M=mid), P, task["passes"][0]) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _memory_curve(args: argparse.Namespace, plan: dict, cfg: dict, log: Any) -> list[dict]:
+    cap = plan["memory_cap"]
+    out = []
+    for P in plan["memory_ranks"]:
+        probe = _spawn(args, P, [dict(workload="baseline", dtype=plan["dtype"], B=plan["batch"],
+                                      H=plan["heads"], Hkv=plan["kv_heads"] or plan["heads"],
+                                      E=plan["head_dim"], Ev=plan["v_dim"] or plan["head_dim"],
+                                      causal=False, layout=plan["layout"], block=plan["block"])],
+                       dict(cfg, fresh=True, max_memory=None), log)
+        base = next((r["baseline_bytes"] for r in probe if r.get("workload") == "baseline" and r.get("status") == "ok"),
+                    None)
+        if base is None:
+            out.append(dict(workload="memory_curve", P=P, cap_bytes=cap, status="baseline probe failed"))
+            continue
+        task = dict(_attention_base(plan, 0, False, args.device, False), impl="ring", passes=[plan["memory_pass"]],
+                    repeat=1, warmup=0, plan="memory")
+        grain = 256 * P
+        N_est = N = _largest_n(task, P, cap - base, grain)
+        rec = dict(workload="memory_curve", P=P, cap_bytes=cap, baseline_bytes=base, N_estimate=N_est,
+                   pass_=plan["memory_pass"], status="no N fits the cap")
+        for attempt in range(4):
+            if N <= 0:
+                break
+            log(f"  memory curve P={P}: trying N={N} (estimate {(base + estimate_bytes(dict(task, N=N, M=N), P, task['passes'][0])) / MiB:.0f} MiB, cap {cap / MiB:.0f} MiB)")
+            recs = _spawn(args, P, [dict(task, N=N, M=N)], dict(cfg, fresh=True, max_memory=None), log)
+            run = next((r for r in recs if r.get("workload") == "attention" and r.get("status") == "ok"
+                        and r.get("pass") == plan["memory_pass"]), None)
+            if run is None:
+                rec["status"] = "verifying run failed"
+                break
+            peak = run["peak_bytes"]
+            rec.update(N_verified=N, peak_bytes=peak, run_baseline_bytes=run["baseline_bytes"],
+                       attempts=attempt + 1)
+            if peak <= cap:
+                rec["status"] = "ok"
+                break
+            scale = (cap - run["baseline_bytes"]) / max(1, peak - run["baseline_bytes"])
+            N = int(N * min(0.98, scale * 0.98)) // grain * grain
+            rec["status"] = "over the cap"
+        out.append(rec)
+    return out
+
+
+# ----------------------------------------------------------------- the command
+def _describe(P: int, t: dict) -> str:
+    if t["workload"] == "attention":
+        return f"{t['impl']} N={t['N']} P={P}{' causal' if t['causal'] else ''}"
+    if t["workload"] == "product":
+        return f"matmul_{t['op']} N={t['N']} P={P}"
+    return f"{t['workload']} P={P}"
+
+
+def _summary(recs: list[dict]) -> str:
+    parts = []
+    for r in recs:
+        if r.get("workload") == "env":
+            continue
+        if r.get("status") != "ok":
+            parts.append(f"{r.get('pass', '')} {r.get('status')}: {r.get('reason', '')}")
+        elif "time_s" in r:
+            parts.append(f"{r.get('pass', '')} {r['time_s']:.3f} s".strip())
+        elif "gflops_per_rank" in r:
+            parts.append(f"{r.get('pass', '')} {r['gflops_per_rank']:.1f} GF/s/rank".strip())
+    return "; ".join(parts)
+
+
+def run(args: argparse.Namespace, comm: Any = None) -> int:
+    """Run the benchmark described by ``args`` (from :func:`add_arguments`); returns an exit code.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+    comm : mpi4py.MPI.Intracomm, optional
+        Run in this job (every rank). Default: launch jobs when this is a
+        single process, run in ``MPI.COMM_WORLD`` when started under mpiexec
+        with several ranks or with ``--in-process``.
+    """
+    if getattr(args, "worker", None):
+        return _worker_main(args.worker)
+    in_job = comm is not None or args.in_process or _launched_with_ranks()
+    rank = 0
+    c = None
+    if in_job:
+        from .comm import get_comm
+        c = get_comm(comm)
+        rank = c.rank
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        if rank == 0 and not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    tasks, curves = build_tasks(args)
+    cores = _usable_cores()
+    cfg = dict(seed=0, device=args.device, threads=args.threads, torch_threads=args.threads, cores=cores,
+               max_memory=args.max_memory)
+    records: list[dict] = []
+    if in_job:
+        P = c.size
+        mine = [t for p, t in tasks if p == P or (t.get("impl") in ("reference", "torch") and P == 1)]
+        if len(mine) < len(tasks):
+            log(f"mpiattn bench: running the {len(mine)} of {len(tasks)} cases that use P={P} in this job")
+        if cfg["max_memory"] is None:
+            cfg["max_memory"] = int(0.9 * _available_memory() / _local_size(c))
+        run_in_job(c, mine, dict(cfg, fresh=False), records.extend)
+        if curves:
+            log("mpiattn bench: the memory curve needs fresh jobs; run without mpiexec / --in-process for it")
+    else:
+        tasks = [(P, t) for P, t in tasks if _allowed(args, P, t, cores, log)]
+        for i, (P, t) in enumerate(tasks):
+            limit = args.max_memory or int(0.9 * _available_memory() / P)
+            recs = _spawn(args, P, [t], dict(cfg, fresh=True, max_memory=limit), log)
+            log(f"[{i + 1}/{len(tasks)}] {_describe(P, t)}: {_summary(recs)}")
+            records += recs
+        for plan in curves:
+            records += _memory_curve(args, plan, cfg, log)
+    if rank != 0:
+        return 0
+    env = next((r for r in records if r.get("workload") == "env"), None)
+    records += bench_report.derive(records)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    for r in records:
+        r.setdefault("run", stamp)
+        r.setdefault("suite", args.suite)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    print(bench_report.format_table(records, env))
+    print(f"\n(bench took {time.time() - t_start:.0f} s)")
+    if args.plot:
+        from . import bench_plot
+        for path in bench_plot.plot_all(records, args.plot):
+            log(f"wrote {path}")
+    return 0 if not any(r.get("status") == "error" for r in records) else 1
+
+
+def _launched_with_ranks() -> bool:
+    """True under mpiexec/srun with several ranks (read from the launcher's environment, MPI untouched)."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"):
+        v = os.environ.get(var)
+        if v and v.isdigit() and int(v) > 1:
+            return True
+    return False
+
+
+def _local_size(c: Any) -> int:
+    from mpi4py import MPI
+
+    local = c.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_size()
+    finally:
+        local.Free()
+
+
+def _allowed(args: argparse.Namespace, P: int, t: dict, cores: int, log: Any) -> bool:
+    if P * args.threads <= cores or args.allow_oversubscribe:
+        return True
+    log(f"skipping {_describe(P, t)}: {P} ranks x {args.threads} thread(s) > {cores} usable cores "
+        "(timings would be meaningless; --allow-oversubscribe to force)")
+    return False
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpiattn.bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
