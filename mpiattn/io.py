@@ -583,6 +583,11 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
             os.replace(tmp, path)
 
         _on_rank0(c, publish)
+    except Exception:  # raised identically on every rank: clean up, then let everyone raise
+        if c.rank == 0:
+            _remove(tmp)
+        c.barrier()  # nobody returns before the temporary file is gone
+        raise
     except BaseException:
         if c.rank == 0:
             _remove(tmp)
