@@ -166,6 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-memory", type=parse_size, metavar="SIZE",
                    help="per-rank limit: cases whose estimate exceeds it are skipped "
                         "(default 90%% of available memory / ranks)")
+    r.add_argument("--gemm-size", type=_positive, default=2048, metavar="S",
+                   help="edge of the square GEMM ceiling (default 2048)")
     r.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     r.add_argument("--threads", type=_positive, default=1, help="BLAS (and torch) threads per rank (default 1)")
     r.add_argument("--check-finite", action="store_true", help="keep the NaN/Inf input check in timed calls")
@@ -235,7 +237,7 @@ def build_tasks(args: argparse.Namespace) -> tuple[list[tuple[int, dict]], list[
                                           plan=plan["name"])))
         if peers and "gemm" in peers:
             for P in sorted({P for P, t in tasks}):
-                tasks.append((P, dict(workload="gemm_square", dtype=plan["dtype"], size=2048, repeat=5,
+                tasks.append((P, dict(workload="gemm_square", dtype=plan["dtype"], size=args.gemm_size, repeat=5,
                                       device=args.device, plan=plan["name"])))
         if plan["memory_curve"]:
             curves.append(plan)

@@ -187,7 +187,7 @@ def _attention_lines(records: list[dict]) -> list[str]:
         groups.setdefault(tuple(r.get(k) for k in _SHAPE_KEYS), []).append(r)
     lines = []
     header = [("impl", 12), ("pass", 6), ("P", 2), ("N", 7), ("time s", 8), ("GF/s/rk", 8), ("%sq", 5),
-              ("%tile", 5), ("MiB sent/rk", 11), ("peak MiB/rk", 11), ("base", 5), ("est", 6)]
+              ("%tile", 5), ("MiB sent/rk", 11), ("peak MiB/rk", 11), ("base", 5), ("est", 6), ("cpu%", 4)]
     for key, rs in groups.items():
         s = dict(zip(_SHAPE_KEYS, key))
         lines.append("")
@@ -206,13 +206,16 @@ def _attention_lines(records: list[dict]) -> list[str]:
                          _fmt(100 * r["frac_gemm_square"] if "frac_gemm_square" in r else None, ".0f", 5),
                          _fmt(100 * r["frac_gemm_tile"] if "frac_gemm_tile" in r else None, ".0f", 5),
                          _fmt(r.get("bytes_sent_per_rank", 0) / MiB, ".1f", 11),
-                         _fmt(r["peak_bytes"] / MiB, ".0f", 11),
+                         _fmt(r["peak_bytes"] / MiB if r.get("peak_bytes") else None, ".0f", 11),
                          _fmt(base / MiB if base else None, ".0f", 5),
-                         _fmt((base + r["est_bytes"]) / MiB if base and r.get("est_bytes") else None, ".0f", 6)
+                         _fmt((base + r["est_bytes"]) / MiB if base and r.get("est_bytes") else None, ".0f", 6),
+                         _fmt(100 * r["cpu_wall_ratio"] if "cpu_wall_ratio" in r else None, ".0f", 4)
                          + (" (oversubscribed)" if r.get("oversubscribed") else "")])
         lines += _rows(header, rows)
     lines.append("  %sq / %tile: GFLOP/s per rank over the square / tile-shaped GEMM ceiling at the same P; "
-                 "peak: max over ranks; base: process before inputs; est: base + the memory model")
+                 "peak: max over ranks; base: process before inputs; est: base + the memory model;\n"
+                 "  cpu%: CPU time / wall time of the timed calls (lowest rank); well below 100 means the machine "
+                 "was busy with other work")
     return lines
 
 
@@ -224,7 +227,7 @@ def _gemm_lines(records: list[dict]) -> list[str]:
     rows = []
     for r in sorted(rec, key=lambda r: (r["workload"], r["P"])):
         kind = "square" if r["workload"] == "gemm_square" else f"tile {r['pass']}"
-        rows.append([kind.ljust(12), str(r["P"]).rjust(2), r["dtype"].rjust(8),
+        rows.append([kind.ljust(12), str(r["P"]).rjust(2), str(r.get("dtype", "")).rjust(8),
                      _fmt(r["gflops_per_rank"], ".1f", 8), "  " + r.get("shape", "")])
     return lines + _rows([("ceiling", 12), ("P", 2), ("dtype", 8), ("GF/s/rk", 8), ("  shapes", 8)], rows)
 

@@ -174,9 +174,13 @@ def _rss_now() -> int:
 
 
 def _rss_peak() -> int:
-    """Peak resident set size of this process in bytes (``ru_maxrss``)."""
+    """Peak resident set size of this process in bytes (``ru_maxrss``).
+
+    Linux updates its counters in batches, so the current size read just
+    before may exceed ``ru_maxrss`` by a few pages: the larger one is returned.
+    """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+    return max(int(peak if sys.platform == "darwin" else peak * 1024), _rss_now())
 
 
 class MemoryMeter:
@@ -306,15 +310,30 @@ def environment() -> dict:
 
 
 # ----------------------------------------------------------------- timing
+#: Wall and CPU seconds of this process inside timed calls since the last reset: a CPU/wall
+#: ratio well below 1 means the process was descheduled (other load on the machine).
+_CLOCK = {"wall": 0.0, "cpu": 0.0}
+
+
 def _timed(c: Any, xp: Any, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Run ``fn`` between barriers (device-synchronised); (seconds, result)."""
     backend.synchronize(xp)
     c.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = fn()
     backend.synchronize(xp)
     c.barrier()
-    return time.perf_counter() - t0, res
+    dt = time.perf_counter() - t0
+    _CLOCK["wall"] += dt
+    _CLOCK["cpu"] += time.process_time() - c0
+    return dt, res
+
+
+def _cpu_ratio(c: Any) -> float:
+    """Lowest CPU/wall ratio over the ranks since the last call (then reset)."""
+    ratio = _CLOCK["cpu"] / _CLOCK["wall"] if _CLOCK["wall"] > 0 else 1.0
+    _CLOCK["wall"] = _CLOCK["cpu"] = 0.0
+    return min(c.allgather_obj(ratio))
 
 
 def _repeat(c: Any, xp: Any, fn: Callable[[], Any], warmup: int, repeat: int,
@@ -493,6 +512,7 @@ def _attention_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> li
         bwd(_dout_for(xp, q, t, rank, 7), q, k, v, res)
     del q, k, v, res
     mem.reset()
+    _CLOCK["wall"] = _CLOCK["cpu"] = 0.0
     baseline = _max_over_ranks(c, mem.now())
 
     limit = cfg.get("max_memory")
@@ -567,7 +587,8 @@ def _time_record(c: Any, common: dict, pass_: str, times: list[float], flops: fl
     med = statistics.median(times)
     peaks = c.allgather_obj(int(peak))
     P = common["P"]
-    return dict(common, **{"pass": pass_}, times_s=times, time_s=med, flops=flops,
+    return dict(common, **{"pass": pass_}, times_s=times, time_s=med, flops=flops, cpu_wall_ratio=_cpu_ratio(c),
+                loadavg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                 gflops=flops / med / 1e9, gflops_per_rank=flops / med / 1e9 / P,
                 bytes_sent_per_rank=_max_over_ranks(c, float(sent)),
                 peak_bytes=max(peaks), peak_bytes_per_rank=peaks, est_bytes=est,
