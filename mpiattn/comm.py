@@ -122,9 +122,12 @@ class Comm:
         A communicator reserved for mpiattn's traffic.
     """
 
-    #: How device (CuPy) buffers cross ranks: "staged" (through host memory)
-    #: or "cuda-aware" (device pointers handed to MPI). See :mod:`mpiattn.gpu`.
+    #: How device (CuPy) buffers cross ranks: "staged" (through host memory),
+    #: "cuda-aware" (device pointers handed to MPI) or "nccl". Set, with
+    #: ``device_transport`` (the object that moves them), by
+    #: :func:`mpiattn.gpu.configure` the first time a CuPy array is sent.
     transport = "staged"
+    device_transport: Any = None
 
     def __init__(self, mpi_comm: Any):
         self.mpi = mpi_comm
@@ -228,33 +231,39 @@ class Comm:
         self.mpi.Barrier()
 
     # ------------------------------------------------------- buffer transport
+    def _device(self) -> Any:
+        """The device-buffer transport; chosen collectively on first use (:mod:`mpiattn.gpu`)."""
+        if self.device_transport is None:
+            from . import gpu
+
+            gpu.configure(self)
+        return self.device_transport
+
     def _send_buf(self, arr: Any) -> Any:
         if not backend.is_cupy_array(arr):
             return arr
-        if self.transport == "cuda-aware":
-            backend.synchronize(backend.array_module(arr))
-            return arr
-        return arr.get()
+        return self._device().send_buf(arr)
 
     def _recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
-        if not backend.is_cupy_array(arr) or self.transport == "cuda-aware":
+        if not backend.is_cupy_array(arr):
             return arr, None
-        host = np.empty(arr.shape, dtype=arr.dtype)
-        return host, (lambda: arr.set(host))
+        return self._device().recv_buf(arr)
 
     def isend(self, arr: Any, dest: int, tag: int) -> _Pending:
         """Non-blocking send of a contiguous array (as bytes)."""
+        if backend.is_cupy_array(arr):
+            return self._device().isend(arr, dest, tag)
         from mpi4py import MPI
 
-        buf = self._send_buf(arr)
-        return _Pending(self.mpi.Isend([buf, buf.nbytes, MPI.BYTE], dest=dest, tag=tag), buf)
+        return _Pending(self.mpi.Isend([arr, arr.nbytes, MPI.BYTE], dest=dest, tag=tag), arr)
 
     def irecv(self, arr: Any, source: int, tag: int) -> _Pending:
         """Non-blocking receive into a contiguous array (as bytes)."""
+        if backend.is_cupy_array(arr):
+            return self._device().irecv(arr, source, tag)
         from mpi4py import MPI
 
-        buf, finish = self._recv_buf(arr)
-        return _Pending(self.mpi.Irecv([buf, buf.nbytes, MPI.BYTE], source=source, tag=tag), (buf, arr), finish)
+        return _Pending(self.mpi.Irecv([arr, arr.nbytes, MPI.BYTE], source=source, tag=tag), arr)
 
     # ----------------------------------------------------------- ring pipeline
     def circulate(self, data: Sequence[Any], n: int, layout: str, block: int,

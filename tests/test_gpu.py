@@ -1,0 +1,514 @@
+"""The GPU path: device binding, the transport decision, the transports, fused kernels.
+
+Most tests run without a GPU: the decision logic with faked evidence, the
+"no GPU" errors, that the NumPy path never imports CuPy, and the transports
+themselves (staged, cuda-aware, nccl) driven through ``tests/fake_cupy.py``,
+whose streams are threads, so event ordering and NCCL's blocking sends are
+exercised for real at 1-4 ranks. Tests named ``test_gpu_*`` need a real GPU
+(``MPIATTN_TEST_BACKEND=cupy``) and skip cleanly without one.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import fake_cupy
+from conftest import host
+from mpiattn import gpu, gpu_kernels, gpu_transports
+from mpiattn.comm import Comm
+from mpiattn.layouts import all_segments, split_sizes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _fresh_comm():
+    """A Comm of its own (no transport configured yet), freed afterwards."""
+    from mpi4py import MPI
+
+    c = Comm(MPI.COMM_WORLD.Dup())
+    yield c
+    if c.device_transport is not None:
+        c.device_transport.close()
+    c.mpi.Free()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fake CuPy in sys.modules (see fake_cupy.py) and clean GPU-module caches."""
+    monkeypatch.setattr(gpu, "_STREAMS", {})
+    monkeypatch.setattr(gpu, "_UPLOADERS", {})
+    monkeypatch.setattr(gpu, "_SAID", set())
+    cp = fake_cupy.install(monkeypatch)
+    yield cp
+    fake_cupy.shutdown()
+
+
+@pytest.fixture
+def fresh_comm():
+    yield from _fresh_comm()
+
+
+@pytest.fixture
+def fake_comm(fake):
+    """A fresh Comm whose transport (if any) is closed before the fake CuPy goes."""
+    yield from _fresh_comm()
+
+
+# ------------------------------------------------------------ NumPy path
+def test_numpy_path_never_imports_cupy(serial_only, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import numpy as np
+        import mpiattn, mpiattn.gpu, mpiattn.gpu_kernels, mpiattn.gpu_transports
+        assert "mpi4py.MPI" not in sys.modules, "import mpiattn initialised MPI"
+        from mpiattn.comm import get_comm
+        c = get_comm()
+        idx = mpiattn.partition(10, layout="zigzag")
+        x = np.arange(40.0).reshape(10, 4)
+        mine = mpiattn.shard(x, axis=-2)
+        assert np.array_equal(mpiattn.gather(mine, axis=-2, root=None), x)
+        for piece in c.circulate([np.ascontiguousarray(mine[None])], 10, "contiguous", 3):
+            pass
+        q = np.random.default_rng(0).standard_normal((1, 2, 6, 4)).astype(np.float32)
+        out, lse = mpiattn.attention(q, q, q, strategy="ring", block_size=4)
+        assert "cupy" not in sys.modules, sorted(m for m in sys.modules if m.startswith("cupy"))
+        print("ok")
+    """))
+    env = dict(os.environ)
+    env.pop("MPIATTN_TEST_BACKEND", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------- evidence
+@pytest.mark.parametrize("ev, verdict, words", [
+    ({"library": "MPICH Version: 4.2", "memory_alloc_kinds": "mpi,system", "mpix_query_cuda_support": 0},
+     -1, "returned 0"),
+    ({"library": "MPICH Version: 4.2", "memory_alloc_kinds": "mpi,system,cuda:device",
+      "mpix_query_cuda_support": 1}, 1, "cuda:device"),
+    ({"library": "Open MPI v5.0.3", "memory_alloc_kinds": None, "mpix_query_cuda_support": 1}, 1, "returned 1"),
+    ({"library": "Open MPI v5.0.3", "memory_alloc_kinds": "system,cuda", "mpix_query_cuda_support": None},
+     1, "lists CUDA"),
+    ({"library": "Open MPI v5.0.3", "memory_alloc_kinds": "system,cuda:host", "mpix_query_cuda_support": None},
+     0, "no evidence"),
+    ({"library": "Intel(R) MPI Library 2021.10", "memory_alloc_kinds": None, "mpix_query_cuda_support": None},
+     0, "no evidence"),
+    ({"library": "MPI VERSION    : CRAY MPICH version 8.1.28", "env": {"MPICH_GPU_SUPPORT_ENABLED": "1"}},
+     1, "MPICH_GPU_SUPPORT_ENABLED=1"),
+    ({"library": "MPI VERSION    : CRAY MPICH version 8.1.28", "env": {}}, -1, "without"),
+    # an explicit "no" wins over a "yes"
+    ({"library": "CRAY MPICH", "memory_alloc_kinds": "cuda", "env": {}}, -1, "without"),
+    ({"library": "MVAPICH2-GDR 2.3.7", "env": {"MV2_USE_CUDA": "1"}}, 1, "MV2_USE_CUDA=1"),
+    # the Cray switch means nothing to other libraries
+    ({"library": "MPICH Version: 4.2", "env": {"MPICH_GPU_SUPPORT_ENABLED": "1"}}, 0, "no evidence"),
+])
+def test_judge_evidence(ev, verdict, words):
+    v, why = gpu.judge_evidence(ev)
+    assert v == verdict and words in why, why
+
+
+def test_gather_evidence_reads_the_loaded_library(comm):
+    from mpi4py import MPI
+
+    ev = gpu.gather_evidence(comm)
+    assert ev["library"] == MPI.Get_library_version().strip().splitlines()[0].strip()
+    assert ev["mpix_query_cuda_support"] in (0, 1, None)
+    if "MPICH" in ev["library"] or "Open MPI" in ev["library"]:
+        assert ev["mpix_query_cuda_support"] is not None  # both export MPIX_Query_cuda_support
+    assert gpu.judge_evidence(ev)[0] in (-1, 0, 1)
+
+
+def _fake_votes(monkeypatch, comm, per_rank):
+    monkeypatch.setattr(gpu, "gather_evidence", lambda c=None: per_rank[comm.rank])
+
+
+YES = {"library": "Open MPI v5", "mpix_query_cuda_support": 1}
+NO = {"library": "Open MPI v5", "mpix_query_cuda_support": 0}
+UNSURE = {"library": "Some MPI"}
+
+
+def test_decide_auto_needs_every_rank(comm, monkeypatch, caplog):
+    monkeypatch.delenv("MPIATTN_GPU_TRANSPORT", raising=False)
+    monkeypatch.setattr(gpu, "_SAID", set())
+    _fake_votes(monkeypatch, comm, [YES] * comm.size)
+    name, why = gpu.decide_transport(comm)
+    assert (name, why) == ("cuda-aware", "MPIX_Query_cuda_support() returned 1")
+    # one doubtful rank (the last) makes every rank stage, with a one-line notice on rank 0
+    _fake_votes(monkeypatch, comm, [YES] * (comm.size - 1) + [UNSURE])
+    with caplog.at_level(logging.WARNING, logger="mpiattn.gpu"):
+        name, why = gpu.decide_transport(comm)
+    assert name == "staged" and "no evidence" in why
+    if comm.size > 1:
+        assert why.startswith(f"rank {comm.size - 1}:")
+    notices = [r.getMessage() for r in caplog.records if r.name == "mpiattn.gpu"]
+    assert len(notices) == (1 if comm.rank == 0 else 0)
+    assert all("\n" not in m and "staged" in m for m in notices)
+
+
+@pytest.mark.parametrize("env, votes, expect", [
+    ("staged", YES, "staged"),
+    ("STAGED", YES, "staged"),
+    ("cuda-aware", UNSURE, "cuda-aware"),
+    ("auto", NO, "staged"),
+    ("", YES, "cuda-aware"),
+])
+def test_decide_env_overrides(comm, monkeypatch, env, votes, expect):
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", env)
+    _fake_votes(monkeypatch, comm, [votes] * comm.size)
+    assert gpu.decide_transport(comm)[0] == expect
+
+
+def test_decide_forced_cuda_aware_warns_against_evidence(comm, monkeypatch):
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "cuda-aware")
+    monkeypatch.setattr(gpu, "_SAID", set())
+    _fake_votes(monkeypatch, comm, [NO] * comm.size)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert gpu.decide_transport(comm) == ("cuda-aware", "requested (MPIATTN_GPU_TRANSPORT=cuda-aware)")
+    mine = [w for w in got if "MPI may crash" in str(w.message)]
+    assert len(mine) == (1 if comm.rank == 0 else 0)
+
+
+def test_decide_rejects_bad_or_inconsistent_requests(comm, monkeypatch):
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "cuda-aware" if comm.rank else "fast")
+    with pytest.raises(ValueError, match="MPIATTN_GPU_TRANSPORT='fast'"):
+        gpu.decide_transport(comm)
+    if comm.size > 1:
+        monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged" if comm.rank else "nccl")
+        with pytest.raises(ValueError, match="differs between ranks"):
+            gpu.decide_transport(comm)
+
+
+def test_describe_transport_without_gpu(comm, monkeypatch):
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged")
+    d = gpu.describe_transport(comm)
+    assert d["transport"] == "staged" and d["requested"] == "staged" and "staged" in d["summary"]
+    assert d["evidence"]["library"]
+
+
+# --------------------------------------------------------------- binding
+def test_bind_device_without_cupy(comm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # "import cupy" raises ImportError
+    with pytest.raises(gpu.NoGPUError, match="CuPy is not importable"):
+        gpu.bind_device(comm)
+
+
+def test_bind_device_cupy_without_driver(comm, fake, monkeypatch):
+    # as pip's cupy-cuda12x does on a machine with no driver, on the last rank only
+    if comm.rank == comm.size - 1:
+        fake_cupy._state.device_count = fake.cuda.runtime.CUDARuntimeError(
+            "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
+    with pytest.raises(gpu.NoGPUError, match="cudaErrorInsufficientDriver") as info:
+        gpu.bind_device(comm)
+    assert isinstance(info.value, RuntimeError)
+    if comm.size > 1:
+        assert f"raised on rank {comm.size - 1}" in str(info.value)
+
+
+def test_bind_device_picks_by_node_local_rank(comm, fake, monkeypatch):
+    from mpi4py import MPI
+
+    node = comm.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    local, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    monkeypatch.delenv("MPIATTN_DEVICE", raising=False)
+    fake_cupy._state.device_count = 4
+    assert gpu.bind_device(comm, configure_transport=False) == local % 4
+    assert fake.cuda.Device().id == local % 4
+    monkeypatch.setenv("MPIATTN_DEVICE", "3")
+    assert gpu.bind_device(comm, configure_transport=False) == 3
+    monkeypatch.setenv("MPIATTN_DEVICE", "2,0")
+    assert gpu.bind_device(comm, configure_transport=False) == [2, 0][local % 2]
+    monkeypatch.setenv("MPIATTN_DEVICE", "7")
+    with pytest.raises(ValueError, match="has 4 GPU"):
+        gpu.bind_device(comm, configure_transport=False)
+    # more ranks than GPUs: one warning, from the node's first rank
+    monkeypatch.setattr(gpu, "_SAID", set())
+    monkeypatch.delenv("MPIATTN_DEVICE")
+    fake_cupy._state.device_count = 1
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert gpu.bind_device(comm, configure_transport=False) == 0
+        gpu.bind_device(comm, configure_transport=False)
+    shared = [w for w in got if "share" in str(w.message)]
+    assert len(shared) == (1 if local == 0 and local_size > 1 else 0)
+
+
+# ------------------------------------------------------------ transports
+def _exercise_comm(c, xp, n=13, block=3):
+    """circulate with accumulators, both layouts, and every row collective, checked exactly."""
+    P, r = c.size, c.rank
+    for layout in ("contiguous", "zigzag"):
+        segs = all_segments(n, P, layout)[r]
+        gidx = np.concatenate([np.arange(g, g + ln) for g, ln in segs]) if segs else np.zeros(0)
+        mine = xp.asarray(np.stack([gidx, 2 * gidx], -1).reshape(1, -1, 2).astype(np.float32))
+        acc = xp.zeros((1, gidx.size, 1), dtype=np.float64)
+        seen = []
+        for piece in c.circulate([mine], n, layout, block, acc_out=[acc]):
+            d = host(piece.data[0])
+            np.testing.assert_array_equal(d[0, :, 0], np.arange(piece.start, piece.stop))
+            np.testing.assert_array_equal(d[0, :, 1], 2 * np.arange(piece.start, piece.stop))
+            piece.acc[0][...] += c.rank + 1
+            seen += list(range(piece.start, piece.stop))
+        assert sorted(seen) == list(range(n))
+        np.testing.assert_array_equal(host(acc), P * (P + 1) / 2)
+    counts = split_sizes(11, P)
+    x = xp.asarray(np.full((counts[r], 2), r, dtype=np.float32))
+    np.testing.assert_array_equal(host(c.allgatherv_rows(x, counts))[:, 0], np.repeat(np.arange(P), counts))
+    y = xp.asarray(np.arange(33.0).reshape(11, 3))
+    lo = sum(counts[:r])
+    np.testing.assert_array_equal(host(c.reduce_scatterv_rows(y, counts)),
+                                  P * np.arange(33.0).reshape(11, 3)[lo:lo + counts[r]])
+    z = xp.asarray(np.full(5, r, dtype=np.float32))
+    np.testing.assert_array_equal(host(c.allreduce_(z)), np.full(5, P * (P - 1) / 2))
+
+
+@pytest.mark.parametrize("transport", ["staged", "cuda-aware", "nccl"])
+def test_transport_with_fake_device(fake_comm, fake, monkeypatch, transport):
+    """Each transport moves "device" arrays correctly, chosen lazily on the first CuPy message."""
+    c = fake_comm
+    fake_cupy._state.bus_id = f"0000:{c.rank:02x}:00.0"  # one GPU per rank, as NCCL needs
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", transport)
+    assert c.device_transport is None
+    for _ in range(2):
+        _exercise_comm(c, fake)
+    assert c.transport == transport and c.device_transport.name == transport
+    if transport == "staged":  # pinned buffers are recycled, not made per message
+        pieces = sum(1 for _ in range(0, 13, 3))
+        assert c.device_transport.pool.allocated <= 4 * pieces
+    if transport == "nccl":
+        src = fake.asarray(np.arange(10.0))
+        dst = fake.zeros(10)
+        c.device_transport.loopback(src, dst)
+        np.testing.assert_array_equal(host(dst), np.arange(10.0))
+
+
+def test_nccl_falls_back_when_ranks_share_a_gpu(fake_comm, fake, monkeypatch, caplog):
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "nccl")
+    with caplog.at_level(logging.WARNING, logger="mpiattn.gpu"):
+        name = gpu.configure(fake_comm)
+    if fake_comm.size == 1:
+        assert name == "nccl"
+    else:
+        assert name == "staged" and "share GPU" in fake_comm.device_transport.reason
+        assert any("staged" in r.getMessage() for r in caplog.records) == (fake_comm.rank == 0)
+    _exercise_comm(fake_comm, fake)
+
+
+@pytest.mark.parametrize("transport", ["staged", "nccl"])
+def test_ring_attention_on_fake_device(fake_comm, fake, monkeypatch, transport):
+    """The whole ring forward/backward on "device" arrays equals the NumPy run."""
+    import mpiattn
+
+    c = fake_comm
+    fake_cupy._state.bus_id = f"0000:{c.rank:02x}:00.0"
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", transport)
+    rng = np.random.default_rng(7)
+    N = 19
+    q, k, v, do = (rng.standard_normal((1, 2, N, 4)) for _ in range(4))
+    rows = mpiattn.partition(N, c.mpi, layout="zigzag")
+    kw = dict(causal=True, layout="zigzag", strategy="ring", block_size=3)
+    mine = [x[..., rows, :] for x in (q, k, v, do)]
+    ref_out, ref_lse = mpiattn.attention(*mine[:3], c, **kw)
+    ref_grads = mpiattn.attention_backward(mine[3], *mine[:3], ref_out, ref_lse, c, **kw)
+    dev = [fake.asarray(x) for x in mine]
+    out, lse = mpiattn.attention(*dev[:3], c, **kw)
+    grads = mpiattn.attention_backward(dev[3], *dev[:3], out, lse, c, **kw)
+    if c.size > 1:
+        assert c.device_transport.name == transport
+    np.testing.assert_allclose(host(out), ref_out, rtol=1e-12, atol=1e-12)
+    for g, ref in zip(grads, ref_grads):
+        np.testing.assert_allclose(host(g), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_edge_colours_separate_each_ranks_send_and_receive():
+    for P in range(1, 10):
+        colours = [gpu_transports.edge_colour(r, P) for r in range(P)]
+        assert max(colours) < gpu_transports.n_colours(P)
+        if P > 1:
+            assert all(colours[r] != colours[r - 1] for r in range(P))  # send edge vs receive edge
+
+
+def test_pinned_pool_waits_for_copies(fake):
+    pool = gpu_transports.PinnedPool(fake, keep_bytes=64)
+    a = pool.take(16)
+    busy = fake.cuda.Event()
+    busy._flag.clear()  # a copy still using the buffer
+    pool.give(a, after=busy)
+    b = pool.take(16)
+    assert b is not a and pool.allocated == 2
+    busy._flag.set()
+    assert pool.take(16) is a
+    assert pool.take(0).nbytes == 0
+
+
+def test_upload_through_pinned_buffer(fake):
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    y = gpu.upload(x)
+    assert type(y).__module__ == "cupy" and y.dtype == x.dtype
+    np.testing.assert_array_equal(host(y), x)
+
+
+# -------------------------------------------------- fused kernels (reference)
+def _scores(rng, shape, masked_rows=True):
+    S = rng.standard_normal(shape).astype(np.float32) * 4
+    S[..., ::3, 1] = -np.inf  # masked keys
+    if masked_rows:
+        S[..., 2, :] = -np.inf  # a row that sees nothing in this block
+    return S
+
+
+def test_reference_softmax_step_matches_float64_math():
+    rng = np.random.default_rng(3)
+    S = _scores(rng, (2, 3, 5, 7))
+    m = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    m[..., 2] = -np.inf  # saw nothing so far, and nothing now
+    m[..., 4] = -np.inf  # saw nothing so far, something now
+    l = np.where(np.isneginf(m), 0, rng.random((2, 3, 5))).astype(np.float32)
+    S64, m64, l64 = S.astype(np.float64), m.astype(np.float64), l.astype(np.float64)
+    m_new = np.maximum(m64, S64.max(-1))
+    shift = np.where(np.isneginf(m_new), 0, m_new)
+    P = np.exp(S64 - shift[..., None])
+    alpha = np.exp(m64 - shift)
+    S2, m2, l2 = S.copy(), m.copy(), l.copy()
+    a = gpu_kernels.reference.softmax_step_(S2, m2, l2)
+    np.testing.assert_allclose(S2, P, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, alpha, rtol=1e-6)
+    np.testing.assert_allclose(l2, alpha * l64 + P.sum(-1), rtol=1e-6)
+    np.testing.assert_array_equal(m2, m_new.astype(np.float32))
+    assert np.isfinite(a).all() and np.isfinite(S2).all()
+    # the two-step form agrees with the one-step form
+    S3 = S.copy()
+    rowsum = gpu_kernels.reference.exp_sub_rowmax_(S3, m_new.astype(np.float32))
+    np.testing.assert_allclose(S3, P, rtol=1e-6, atol=1e-7)
+    O = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    l4 = l.copy()
+    O2 = O.copy()
+    gpu_kernels.reference.rescale_(O2, l4, alpha.astype(np.float32), rowsum)
+    np.testing.assert_allclose(O2, alpha[..., None] * O, rtol=1e-6)
+    np.testing.assert_allclose(l4, alpha * l64 + P.sum(-1), rtol=1e-6)
+    PV = rng.standard_normal(O.shape).astype(np.float32)
+    O3 = O.copy()
+    gpu_kernels.reference.rescale_add_(O3, alpha.astype(np.float32), PV)
+    np.testing.assert_allclose(O3, alpha[..., None] * O + PV, rtol=1e-6)
+
+
+def test_reference_backward_steps_match_float64_math():
+    rng = np.random.default_rng(4)
+    S = _scores(rng, (2, 6, 5), masked_rows=False)
+    lse = rng.standard_normal((2, 6)).astype(np.float32) + 3
+    lse[1, 2] = np.inf  # a query that saw no key
+    P = S.copy()
+    gpu_kernels.reference.exp_sub_(P, lse)
+    np.testing.assert_allclose(P, np.exp(S.astype(np.float64) - lse[..., None]), rtol=1e-6, atol=1e-30)
+    assert (P[1, 2] == 0).all()
+    dP = rng.standard_normal(S.shape).astype(np.float32)
+    D = rng.standard_normal((2, 6)).astype(np.float32)
+    dS = dP.copy()
+    gpu_kernels.reference.softmax_grad_(dS, P, D)
+    np.testing.assert_allclose(dS, P * (dP - D[..., None]), rtol=1e-6)
+
+
+# ---------------------------------------------------------- real GPU only
+@pytest.fixture
+def cp(xp):
+    if xp is np:
+        pytest.skip("needs a GPU (run with MPIATTN_TEST_BACKEND=cupy)")
+    return xp
+
+
+def test_gpu_bind_device_is_current(comm, cp):
+    dev = gpu.bind_device(comm)
+    assert cp.cuda.Device().id == dev
+    assert comm.device_transport is not None and comm.transport in ("staged", "cuda-aware", "nccl")
+
+
+@pytest.mark.parametrize("transport", ["staged", "cuda-aware", "nccl"])
+def test_gpu_transports(fresh_comm, cp, transport):
+    c = fresh_comm
+    if transport == "cuda-aware":
+        votes = c.allgather_obj(gpu.judge_evidence(gpu.gather_evidence(c))[0])
+        if min(votes) <= 0:
+            pytest.skip("this MPI does not say it is CUDA-aware")
+    if transport == "nccl":
+        ok, why = gpu._nccl_feasible(c)
+        if not ok:
+            pytest.skip(f"NCCL not usable here: {why}")
+    assert gpu.configure(c, transport) == transport
+    with gpu.compute_stream():
+        _exercise_comm(c, cp, n=4099, block=1000)
+    cp.cuda.Device().synchronize()
+    if transport == "nccl":
+        src = cp.arange(1 << 20, dtype=cp.float32)
+        dst = cp.zeros_like(src)
+        c.device_transport.loopback(src, dst)
+        assert bool((dst == src).all())
+
+
+def test_gpu_upload(cp):
+    x = np.random.default_rng(0).standard_normal((3, 1000, 7)).astype(np.float16)
+    with gpu.compute_stream():
+        y = gpu.upload(x)
+        back = host(y)
+    np.testing.assert_array_equal(back, x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gpu_fused_kernels_match_generic(cp, dtype):
+    rng = np.random.default_rng(5)
+    shape = (2, 3, 37, 300)
+    S = _scores(rng, shape).astype(dtype)
+    m = rng.standard_normal(shape[:-1]).astype(dtype) * 2
+    m[..., 2] = -np.inf
+    m[..., 5] = -np.inf
+    l = np.where(np.isneginf(m), 0, rng.random(shape[:-1])).astype(dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-14)
+    # online softmax step on strided views of m and l, as kernels.forward_block passes them
+    m_big, l_big = np.zeros(shape[:-1] + (2,), dtype), np.zeros(shape[:-1] + (2,), dtype)
+    m_big[..., 0], l_big[..., 0] = m, l
+    want = [S.copy(), m.copy(), l.copy()]
+    a_ref = gpu_kernels.reference.softmax_step_(*want)
+    Sd, md, ld = cp.asarray(S), cp.asarray(m_big), cp.asarray(l_big)
+    a = gpu_kernels.softmax_step_(Sd, md[..., 0], ld[..., 0])
+    np.testing.assert_allclose(host(Sd), want[0], **tol)
+    np.testing.assert_allclose(host(a), a_ref, **tol)
+    np.testing.assert_array_equal(host(md[..., 0]), want[1])
+    np.testing.assert_allclose(host(ld[..., 0]), want[2], **tol)
+    # the other fused steps
+    m_new = np.maximum(m, S.max(-1))
+    S1 = S.copy()
+    rs_ref = gpu_kernels.reference.exp_sub_rowmax_(S1, m_new)
+    S1d = cp.asarray(S)
+    np.testing.assert_allclose(host(gpu_kernels.exp_sub_rowmax_(S1d, cp.asarray(m_new))), rs_ref, **tol)
+    np.testing.assert_allclose(host(S1d), S1, **tol)
+    O = rng.standard_normal(shape[:-1] + (16,)).astype(dtype)
+    PV = rng.standard_normal(O.shape).astype(dtype)
+    alpha = rng.random(shape[:-1]).astype(dtype)
+    for name, args in (("rescale_add_", (O, alpha, PV)), ("rescale_", (O, l, alpha, rs_ref))):
+        ref_args = [x.copy() for x in args]
+        getattr(gpu_kernels.reference, name)(*ref_args)
+        dev_args = [cp.asarray(x) for x in args]
+        getattr(gpu_kernels, name)(*dev_args)
+        for got, ref in zip(dev_args, ref_args):
+            np.testing.assert_allclose(host(got), ref, **tol)
+    lse = rng.standard_normal(shape[:-1]).astype(dtype) + 3
+    lse[..., 1] = np.inf
+    P = S.copy()
+    gpu_kernels.reference.exp_sub_(P, lse)
+    Pd = cp.asarray(S)
+    gpu_kernels.exp_sub_(Pd, cp.asarray(lse))
+    np.testing.assert_allclose(host(Pd), P, **tol)
+    dP = rng.standard_normal(shape).astype(dtype)
+    D = rng.standard_normal(shape[:-1]).astype(dtype)
+    dS = dP.copy()
+    gpu_kernels.reference.softmax_grad_(dS, P, D)
+    dSd = cp.asarray(dP)
+    gpu_kernels.softmax_grad_(dSd, cp.asarray(P), cp.asarray(D))
+    np.testing.assert_allclose(host(dSd), dS, **tol)
