@@ -56,31 +56,33 @@ SUITES: dict[str, list[dict]] = {
                    product_n=[4 * K])],
     "issue3": [dict(name="issue3", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
                     peers=["gemm", "reference"])],
-    "targets": [dict(name="targets", n=[32 * K], ranks=[1, 2], impl=["ring"],
-                     peers=["gemm", "reference", "torch"]),
-                dict(name="targets-memory", n=[64 * K], ranks=[1, 2], impl=["ring"], peers=["gemm"],
-                     repeat=5, warmup=0)],
+    "targets": [dict(name="targets", n=[32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
+                     peers=["gemm", "reference", "torch"], peers_n=[32 * K])],
     "scaling": [dict(name="scaling", n=[8 * K, 16 * K, 32 * K], ranks=[1, 2], impl=["ring"], peers=["gemm"])],
-    "strategies": [dict(name="strategies", n=[16 * K], ranks=[2], heads=2, kv_heads=2,
+    "strategies": [dict(name="strategies", n=[8 * K], ranks=[2], heads=2, kv_heads=2,
                         impl=["ring", "allgather", "ulysses", "materialized"], peers=["gemm"]),
-                   dict(name="causal", n=[32 * K], ranks=[1, 2], impl=["ring"], causal="on",
+                   dict(name="causal", n=[16 * K], ranks=[1, 2], impl=["ring"], causal="on",
                         layout="zigzag", peers=["gemm"])],
     "products": [dict(name="products", n=[], ranks=[1, 2], products=["nt", "nn", "tn"],
                       product_n=[8 * K, 16 * K], peers=["gemm"])],
     "memory": [dict(name="memory", n=[], ranks=[], peers=[], memory_curve=True)],
 }
+#: Everything the committed results need (issue 3's table, the targets, scaling, strategies,
+#: products, the memory curve) in one command that fits a 2-core, 24 GiB machine.
 SUITES["full"] = [
-    dict(name="issue3+targets", n=[16 * K, 32 * K], ranks=[1, 2], impl=["ring"],
-         peers=["gemm", "reference", "torch"]),
-    dict(name="issue3-64k", n=[64 * K], ranks=[1, 2], impl=["ring"], peers=["gemm", "reference"], warmup=0),
+    dict(name="issue3+targets", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
+         peers=["gemm", "reference", "torch"], peers_n=[16 * K, 32 * K]),
     *SUITES["strategies"], *SUITES["products"], *SUITES["memory"],
 ]
 
 _PLAN_DEFAULTS = dict(n=[4 * K], ranks=[1], impl=["ring"], peers=["gemm"], peers_n=None, passes=["fwd", "fwdbwd"],
                       batch=1, heads=1, kv_heads=None, head_dim=64, v_dim=None, dtype="float32", causal="off",
-                      layout="contiguous", block=None, repeat=5, warmup=1, products=[], product_n=[],
-                      product_dim=64, memory_curve=False, memory_cap=128 * MiB, memory_ranks=[1, 2, 4],
+                      layout="contiguous", block=None, repeat=5, warmup=None, products=[], product_n=[],
+                      product_dim=64, memory_curve=False, memory_cap=100 * MiB, memory_ranks=[1, 2, 4],
                       memory_pass="fwdbwd")
+#: With ``warmup=None``: one full-size warm-up call up to this N, none above (a call then lasts
+#: seconds, and the small warm-up problem has already run in the same process).
+WARMUP_FULL_MAX_N = 16 * K
 
 
 # ----------------------------------------------------------------- argument types
@@ -148,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--product-dim", type=_positive, metavar="d")
     g.add_argument("--memory-curve", action="store_true", default=None,
                    help="find the largest N within --memory-cap per rank at each of --memory-ranks")
-    g.add_argument("--memory-cap", type=parse_size, metavar="SIZE", help="per-rank cap of the curve (default 128M)")
+    g.add_argument("--memory-cap", type=parse_size, metavar="SIZE", help="per-rank cap of the curve (default 100M)")
     g.add_argument("--memory-ranks", type=_list_of(_positive), metavar="P[,P..]", help="default 1,2,4")
     s = parser.add_argument_group("problem")
     s.add_argument("--batch", type=_positive, metavar="B")
@@ -162,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", dest="block", type=_positive, metavar="T", help="default: the library's (512)")
     r = parser.add_argument_group("how")
     r.add_argument("--repeat", type=_positive, help="timed repeats (median; at least 5 for reported numbers)")
-    r.add_argument("--warmup", type=int, help="untimed full-size calls before them (default 1)")
+    r.add_argument("--warmup", type=int, help="untimed full-size calls before them (default 1 up to N = 16k, "
+                                              "0 above; a small warm-up problem always runs first)")
     r.add_argument("--max-memory", type=parse_size, metavar="SIZE",
                    help="per-rank limit: cases whose estimate exceeds it are skipped "
                         "(default 90%% of available memory / ranks)")
@@ -200,12 +203,18 @@ def _attention_base(plan: dict, N: int, causal: bool, device: str, check_finite:
     E = plan["head_dim"]
     return dict(workload="attention", B=plan["batch"], H=H, Hkv=plan["kv_heads"] or H, N=N, M=N, E=E,
                 Ev=plan["v_dim"] or E, dtype=plan["dtype"], causal=causal, layout=plan["layout"],
-                block=plan["block"], passes=list(plan["passes"]), repeat=plan["repeat"], warmup=plan["warmup"],
+                block=plan["block"], passes=list(plan["passes"]), repeat=plan["repeat"],
+                warmup=plan["warmup"] if plan["warmup"] is not None else int(N <= WARMUP_FULL_MAX_N),
                 device=device, check_finite=check_finite, plan=plan["name"])
 
 
 def build_tasks(args: argparse.Namespace) -> tuple[list[tuple[int, dict]], list[dict]]:
-    """``[(P, task), ...]`` to run, and the memory-curve plans."""
+    """``[(P, task), ...]`` to run, and the memory-curve plans.
+
+    With the ``gemm`` peer every attention task measures its GEMM ceilings
+    itself, in the same process right after its timings, so that a change
+    of load on the machine cannot skew the fractions.
+    """
     tasks: list[tuple[int, dict]] = []
     curves = []
     for plan in _plans(args):
@@ -213,48 +222,26 @@ def build_tasks(args: argparse.Namespace) -> tuple[list[tuple[int, dict]], list[
         causals = {"off": [False], "on": [True], "both": [False, True]}[plan["causal"]]
         for N in plan["n"]:
             for causal in causals:
-                base = _attention_base(plan, N, causal, args.device, args.check_finite)
+                base = dict(_attention_base(plan, N, causal, args.device, args.check_finite),
+                            ceilings="gemm" in peers, gemm_size=args.gemm_size)
                 for P in plan["ranks"]:
                     for impl in plan["impl"]:
                         tasks.append((P, dict(base, impl=impl)))
-                    if "gemm" in peers:
-                        tasks.append((P, dict(base, workload="gemm_tile", passes=None,
-                                              tile_key=list(bench_report.tile_key(base, P)))))
-                with_peers = plan["peers_n"] is None or N in plan["peers_n"]
-                for peer in ("reference", "torch"):
-                    if peer in peers and with_peers:
-                        tasks.append((1, dict(base, impl=peer)))
-                        if "gemm" in peers and 1 not in plan["ranks"]:
-                            tasks.append((1, dict(base, workload="gemm_tile", passes=None,
-                                                  tile_key=list(bench_report.tile_key(base, 1)))))
+                if plan["peers_n"] is None or N in plan["peers_n"]:
+                    for peer in ("reference", "torch"):
+                        if peer in peers:
+                            tasks.append((1, dict(base, impl=peer)))
         ops = [o for o in plan["products"] if o != "none"]
         for N in plan["product_n"] if ops else []:
             for P in plan["ranks"]:
                 for op in ops:
                     tasks.append((P, dict(workload="product", op=op, N=N, M=N, d=plan["product_dim"],
                                           dtype=plan["dtype"], layout=plan["layout"], block=plan["block"],
-                                          repeat=plan["repeat"], warmup=plan["warmup"], device=args.device,
-                                          plan=plan["name"])))
-        if peers and "gemm" in peers:
-            for P in sorted({P for P, t in tasks}):
-                tasks.append((P, dict(workload="gemm_square", dtype=plan["dtype"], size=args.gemm_size, repeat=5,
-                                      device=args.device, plan=plan["name"])))
+                                          repeat=plan["repeat"], warmup=1 if plan["warmup"] is None
+                                          else plan["warmup"], device=args.device, plan=plan["name"])))
         if plan["memory_curve"]:
             curves.append(plan)
-    return _dedupe(tasks), curves
-
-
-def _dedupe(tasks: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
-    """Drop repeated GEMM ceilings (same P and shapes); keep the first of each."""
-    seen, out = set(), []
-    for P, t in tasks:
-        if t["workload"] in ("gemm_square", "gemm_tile"):
-            key = (P, t["workload"], t["dtype"], json.dumps(t.get("tile_key")), t.get("device"))
-            if key in seen:
-                continue
-            seen.add(key)
-        out.append((P, t))
-    return out
+    return tasks, curves
 
 
 # ----------------------------------------------------------------- launching
@@ -453,12 +440,14 @@ def _describe(P: int, t: dict) -> str:
 def _summary(recs: list[dict]) -> str:
     parts = []
     for r in recs:
-        if r.get("workload") == "env":
+        if r.get("workload") == "env" or "measured_with" in r:
             continue
         if r.get("status") != "ok":
             parts.append(f"{r.get('pass', '')} {r.get('status')}: {r.get('reason', '')}")
         elif "time_s" in r:
-            parts.append(f"{r.get('pass', '')} {r['time_s']:.3f} s".strip())
+            frac = f" ({r['gflops_per_rank'] / r['gemm_square_gflops']:.0%} of GEMM)" \
+                if r.get("gemm_square_gflops") else ""
+            parts.append(f"{r.get('pass', '')} {r['time_s']:.3f} s{frac}".strip())
         elif "gflops_per_rank" in r:
             parts.append(f"{r.get('pass', '')} {r['gflops_per_rank']:.1f} GF/s/rank".strip())
     return "; ".join(parts)

@@ -64,17 +64,17 @@ def derive(records: list[dict]) -> list[dict]:
         New ``scaling`` and ``target`` records.
     """
     square = {(r["P"], r["dtype"], r.get("device", "cpu")): r["gflops_per_rank"]
-              for r in records if _ok(r) and r.get("workload") == "gemm_square"}
+              for r in records if _ok(r) and r.get("workload") == "gemm_square" and "measured_with" not in r}
     tiles = {(tuple(r["tile_key"]), r["pass"]): r["gflops_per_rank"]
-             for r in records if _ok(r) and r.get("workload") == "gemm_tile"}
+             for r in records if _ok(r) and r.get("workload") == "gemm_tile" and "measured_with" not in r}
     for r in records:
         if not _timed(r):
             continue
-        sq = square.get((r["P"], r["dtype"], r.get("device", "cpu")))
+        sq = r.get("gemm_square_gflops") or square.get((r["P"], r["dtype"], r.get("device", "cpu")))
         if sq:
             r["gemm_square_gflops"] = sq
             r["frac_gemm_square"] = r["gflops_per_rank"] / sq
-        tl = tiles.get((tuple(tile_key(r, r["P"])), r["pass"]))
+        tl = r.get("gemm_tile_gflops") or tiles.get((tuple(tile_key(r, r["P"])), r["pass"]))
         if tl:
             r["gemm_tile_gflops"] = tl
             r["frac_gemm_tile"] = r["gflops_per_rank"] / tl
@@ -223,13 +223,21 @@ def _gemm_lines(records: list[dict]) -> list[str]:
     rec = [r for r in records if _ok(r) and r.get("workload") in ("gemm_square", "gemm_tile")]
     if not rec:
         return []
-    lines = ["", "GEMM ceilings (numpy/cupy matmul, every rank at once; GFLOP/s per rank)"]
-    rows = []
-    for r in sorted(rec, key=lambda r: (r["workload"], r["P"])):
+    lines = ["", "GEMM ceilings (numpy/cupy matmul, every rank at once; GFLOP/s per rank; measured in each "
+                 "case's own process after its timings: median [min, max] over the cases)"]
+    groups: dict[tuple, list[float]] = {}
+    for r in rec:
         kind = "square" if r["workload"] == "gemm_square" else f"tile {r['pass']}"
-        rows.append([kind.ljust(12), str(r["P"]).rjust(2), str(r.get("dtype", "")).rjust(8),
-                     _fmt(r["gflops_per_rank"], ".1f", 8), "  " + r.get("shape", "")])
-    return lines + _rows([("ceiling", 12), ("P", 2), ("dtype", 8), ("GF/s/rk", 8), ("  shapes", 8)], rows)
+        groups.setdefault((kind, r["P"], str(r.get("dtype", "")), r.get("shape", "")), []).append(
+            r["gflops_per_rank"])
+    rows = []
+    for (kind, P, dtype, shape), rates in sorted(groups.items(), key=lambda kv: (kv[0][0] != "square", kv[0])):
+        rates.sort()
+        med = rates[len(rates) // 2]
+        rows.append([kind.ljust(12), str(P).rjust(2), dtype.rjust(8), _fmt(med, ".1f", 8),
+                     f"[{rates[0]:.1f}, {rates[-1]:.1f}]".rjust(15), str(len(rates)).rjust(5), "  " + shape])
+    return lines + _rows([("ceiling", 12), ("P", 2), ("dtype", 8), ("GF/s/rk", 8), ("range", 15), ("cases", 5),
+                          ("  shapes", 8)], rows)
 
 
 def _product_lines(records: list[dict]) -> list[str]:

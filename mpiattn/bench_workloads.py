@@ -106,57 +106,53 @@ def estimate_bytes(t: dict, P: int, pass_: str) -> int:
     """
     B, H, Hkv, E, Ev = t["B"], t["H"], t["Hkv"], t["E"], t["Ev"]
     s, a = _itemsize(t["dtype"]), _acc_size(t["dtype"])
+    cast = 0 if s == a else 1                           # float16 keeps float32 copies besides the inputs
     impl = t["impl"]
     one = impl in ("reference", "torch")
     n = t["N"] if one else -(-t["N"] // P)
     m = t["M"] if one else -(-t["M"] // P)
-    T = t.get("block") or 512
     G = H // Hkv
-    q_row, o_row = B * H * (E + 0), B * H * Ev          # words per query row
-    kv_row = B * Hkv * (E + Ev)
+    q_row, o_row, kv_row = B * H * E, B * H * Ev, B * Hkv * (E + Ev)    # words per row
     inputs = s * (n * q_row + m * kv_row)
-    out = s * n * o_row + a * B * H * n
-    grads_in = s * n * o_row                            # dout
-    cast = 0 if s == a else 1
-    if impl == "reference":
+    out_lse = s * n * o_row + a * B * H * n
+    dout = s * n * o_row
+    if impl == "reference":                             # the (B, H, N, M) probabilities, kept for backward
         scores = a * B * H * n * m
         upcast = cast * a * (n * q_row + m * kv_row * G)
-        fwd = inputs + upcast + scores + out + a * n * o_row * 2
-        if pass_ == "fwd":
-            return int(fwd)
-        return int(fwd + grads_in + scores + 2 * a * (n * q_row + m * kv_row * G))
-    if impl == "torch":
-        fwd = inputs + out + 2 * a * n * o_row
-        if pass_ == "fwd":
-            return int(fwd)
-        return int(fwd + grads_in + 2 * s * (n * q_row + m * kv_row) + 2 * a * (n * q_row + m * kv_row))
-    if impl == "materialized":
+        fwd = inputs + upcast + scores + out_lse + a * n * o_row
+        bwd = fwd + dout + scores + a * (n * q_row + m * kv_row * G) * 2
+        return int(fwd if pass_ == "fwd" else bwd)
+    if impl == "torch":                                 # flash kernels: O(rows) extra
+        fwd = inputs + out_lse + a * n * o_row
+        bwd = inputs + out_lse + dout + inputs + cast * a * (n * q_row + m * kv_row)
+        return int(fwd if pass_ == "fwd" else max(fwd, bwd))
+    if impl == "materialized":                          # n x M scores per head, a few of them alive
         scores = a * B * H * n * t["M"]
-        fwd = inputs + out + 3 * scores + a * B * H * n * (E + Ev)
-        if pass_ == "fwd":
-            return int(fwd)
-        return int(fwd + grads_in + 3 * scores + a * B * H * n * (E + Ev) * 2 + a * m * kv_row * G * 2)
-    # blocked strategies (ring, allgather, ulysses, auto)
-    if impl == "ulysses":                               # whole sequence for H/P heads
-        n_loc, m_loc, hp = t["N"], t["M"], P
-    else:
-        n_loc, m_loc, hp = n, m, 1
-    tile = a * B * Hkv // hp * T * G * (2 * T + 2 * (E + Ev) + 8)
-    pieces = 4 * T * kv_row * max(s, a) * (P if impl == "allgather" else 1)
-    folded_q = a * n_loc * q_row // hp
-    state = a * n_loc * B * H // hp * (Ev + 2)
+        fwd = inputs + out_lse + 3 * scores + a * n * (q_row + o_row)
+        bwd = inputs + out_lse + dout + 4 * scores + a * (n * q_row * 2 + m * kv_row * G * 2)
+        return int(fwd if pass_ == "fwd" else max(fwd, bwd))
+    # blocked strategies: ring, allgather, ulysses (auto is one of them)
+    T = int(t.get("block") or 512)
+    hp = P if impl == "ulysses" else 1                  # ulysses: whole sequence, H/P heads
+    n_loc = t["N"] if impl == "ulysses" else n
+    m_loc = t["M"] if impl == "ulysses" else m
+    Tq, Tk = min(T, n_loc), min(T, m_loc)
+    BK = max(1, B * Hkv // hp)
+    tile_f = a * BK * (Tq * G * (Tk + Ev + 8) + Tk * (E + Ev))
+    tile_b = a * BK * (Tq * G * (2 * Tk + E + 4) + 2 * Tk * (E + Ev))
+    rounds = P if impl == "allgather" else 1
+    pieces_f = 3 * rounds * Tk * kv_row * s
+    pieces_b = pieces_f + 3 * rounds * Tk * kv_row * a
     moved = 0
-    if impl == "ulysses":                               # head-sharded copies and send buffers
-        moved = 2 * s * (n_loc * q_row + m_loc * kv_row) // hp + 2 * s * n_loc * o_row // hp
-    fwd = inputs + moved + folded_q + 2 * state + out + tile + pieces
-    if pass_ == "fwd":
-        return int(fwd)
-    bwd = (inputs + out + grads_in + moved + 2 * moved // 2
-           + a * n_loc * (q_row + o_row) // hp * 2       # folded q and dout, dq
-           + a * m_loc * kv_row // hp                    # dk, dv accumulators
-           + cast * s * (n * q_row + m * kv_row)         # results cast to the input dtype
-           + tile * 2 + pieces * 2)
-    return int(max(fwd, bwd))
+    if impl == "ulysses":                               # head-sharded copies, with their send buffers
+        moved = 2 * s * (t["N"] * (q_row + o_row) + t["M"] * kv_row) // P
+    rows = a * n_loc * B * H // hp                      # one accumulation word per (query row, head)
+    # forward: folded q, running o and its normalised copy, m and l, one tile, pieces in flight
+    fwd = inputs + moved + rows * (E + 2 * Ev + 3) + cast * s * n * o_row + tile_f + pieces_f
+    # backward: out, lse, dout kept; folded q and dout, dq, dk, dv accumulators, tiles, pieces
+    bwd = (inputs + out_lse + dout + moved + rows * (2 * E + Ev + 2) + a * m_loc * kv_row // hp
+           + cast * s * (n * q_row + m * kv_row) + tile_b + pieces_b)
+    return int(fwd if pass_ == "fwd" else max(fwd, bwd))
 
 
 # ----------------------------------------------------------------- memory
@@ -579,7 +575,27 @@ def _attention_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> li
         else:
             rec["note"] = "fwd+bwd = median forward + each backward (backward reuses the forward's out, lse)"
         records.append(rec)
+    if t.get("ceilings"):
+        records += _ceilings(c, xp, t, records)
     return records
+
+
+def _ceilings(c: Any, xp: Any, t: dict, records: list[dict]) -> list[dict]:
+    """Measure the GEMM ceilings now (same process, same moment) and attach them to ``records``."""
+    from .bench_report import tile_key
+
+    P = records[0]["P"] if records else c.size
+    sq = _gemm_square_task(c, xp, dict(workload="gemm_square", dtype=t["dtype"], size=int(t.get("gemm_size", 2048)),
+                                       repeat=5, device=t.get("device", "cpu")), {})
+    tiles = _gemm_tile_task(c, xp, dict(t, workload="gemm_tile", repeat=5, tile_key=list(tile_key(t, P)),
+                                        passes=None), {}, P)
+    rate = {r["pass"]: r["gflops_per_rank"] for r in tiles}
+    for r in records:
+        if r.get("status") == "ok" and "gflops_per_rank" in r:
+            r["gemm_square_gflops"] = sq[0]["gflops_per_rank"]
+            r["gemm_tile_gflops"] = rate[r["pass"]]
+    where = f"{t['impl']} N={t['N']}"
+    return [dict(g, P=P, measured_with=where) for g in sq + tiles]
 
 
 def _time_record(c: Any, common: dict, pass_: str, times: list[float], flops: float, sent: float,
@@ -623,13 +639,14 @@ def _gemm_square_task(c: Any, xp: Any, t: dict, cfg: dict) -> list[dict]:
                  shape=f"({size}x{size})({size}x{size})")]
 
 
-def _gemm_tile_task(c: Any, xp: Any, t: dict, cfg: dict) -> list[dict]:
-    """GEMMs of attention's tile shapes, with the same operand views the kernels use."""
+def _gemm_tile_task(c: Any, xp: Any, t: dict, cfg: dict, P: int | None = None) -> list[dict]:
+    """GEMMs of attention's tile shapes (for ``P`` ranks), with the operand views the kernels use."""
     acc = backend.accum_dtype(t["dtype"])
     B, Hkv, G, E, Ev = t["B"], t["Hkv"], t["H"] // t["Hkv"], t["E"], t["Ev"]
     T = int(t.get("block") or 512)
-    Tq = min(T, -(-t["N"] // c.size))
-    Tk = min(T, -(-t["M"] // c.size))
+    P = c.size if P is None else P
+    Tq = min(T, -(-t["N"] // P))
+    Tk = min(T, -(-t["M"] // P))
     R = Tq * G
     rng = np.random.default_rng([6, c.rank])
 
@@ -662,11 +679,11 @@ def _gemm_tile_task(c: Any, xp: Any, t: dict, cfg: dict) -> list[dict]:
     r_bwd, times_b = _gemm_rate(c, xp, bwd, f_bwd, repeat)
     r_both = (f_fwd + f_bwd) / (f_fwd / r_fwd + f_bwd / r_bwd)
     shape = f"B*Hkv={B * Hkv}: ({R}x{E})({E}x{Tk}), ({R}x{Tk})({Tk}x{Ev})"
-    return [dict(t, P=c.size, status="ok", **{"pass": "fwd"}, gflops_per_rank=r_fwd, times_s=times_f,
+    return [dict(t, P=P, status="ok", **{"pass": "fwd"}, gflops_per_rank=r_fwd, times_s=times_f,
                  shape=shape),
-            dict(t, P=c.size, status="ok", **{"pass": "bwd"}, gflops_per_rank=r_bwd, times_s=times_b,
+            dict(t, P=P, status="ok", **{"pass": "bwd"}, gflops_per_rank=r_bwd, times_s=times_b,
                  shape=shape + " + 3 backward GEMMs"),
-            dict(t, P=c.size, status="ok", **{"pass": "fwdbwd"}, gflops_per_rank=r_both, shape=shape)]
+            dict(t, P=P, status="ok", **{"pass": "fwdbwd"}, gflops_per_rank=r_both, shape=shape)]
 
 
 def _product_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> list[dict]:
