@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = _world_rank()
     con = Console(rank)
     try:
-        args = build_parser().parse_args(argv or ["example"])
+        if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
+            argv = ["example", *argv]  # options without a command belong to the example
+        args = build_parser().parse_args(argv)
         con.quiet = bool(getattr(args, "quiet", False))
         con.tty = con.tty and not con.quiet
     except UsageError as exc:
@@ -305,18 +307,14 @@ def _hosts(c: Any) -> list[str]:
 
 def _gpu_status() -> tuple[bool, str]:
     """(usable, description) of this rank's GPUs, never raising."""
-    if importlib.util.find_spec("cupy") is None:
-        return False, "cupy not installed"
-    try:
-        import cupy
+    if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
+        return False, "none (cupy not installed)"
+    if importlib.util.find_spec("mpiattn.gpu") is None:
+        return False, "none (this mpiattn has no GPU path)"
+    from . import gpu
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - any failure means "no usable GPU"
-        why = (str(exc).split(":")[0] or type(exc).__name__).strip()
-        return False, f"none ({why})"
-    if count == 0:
-        return False, "none"
-    return True, f"{count} visible"
+    count, why = gpu.probe()
+    return (True, f"{count} visible") if count else (False, f"none ({why})")
 
 
 def _select_device(c: Any, device: str, transport: str | None) -> tuple[Any, str]:
@@ -328,16 +326,15 @@ def _select_device(c: Any, device: str, transport: str | None) -> tuple[Any, str
     status = c.allgather_obj(_gpu_status())
     missing = [(r, why) for r, (ok, why) in enumerate(status) if not ok]
     if missing:
+        where = f"rank {missing[0][0]}: {missing[0][1]}"
         if device == "auto":
-            return np, f" (--device auto: no usable GPU on rank {missing[0][0]}: {missing[0][1]})"
-        with _local(c):
-            raise RuntimeError(f"--device gpu: no usable GPU on rank {missing[0][0]}: {missing[0][1]}")
+            return np, f" (--device auto: no usable GPU on {where})"
+        with _agreed():  # every rank knows (allgathered): all raise, no communication
+            raise RuntimeError(f"--device gpu: no usable GPU on {where}")
     with _agreed():
-        if importlib.util.find_spec("mpiattn.gpu") is None:
-            raise RuntimeError("--device gpu needs mpiattn.gpu, which this installation lacks")
         from . import gpu
 
-        gpu.bind_device(c.mpi)
+        gpu.bind_device(c)  # one GPU per rank by node-local rank; chooses the transport
         import cupy
     return cupy, ""
 
@@ -382,19 +379,22 @@ def _compute(c: Any, con: Console, args: Any, inp: Any, xp: Any, causal: bool, s
     from . import attention, attention_backward
     from .backend import to_host
 
-    dev = [None if a is None else xp.asarray(a) for a in (inp.q, inp.k, inp.v, inp.dout,
-                                                          inp.key_padding_mask)]
-    q, k, v, dout, mask = dev
+    if xp is np:
+        move = np.asarray
+    else:
+        from .gpu import upload as move  # host slab -> device through a pinned buffer
+    q, k, v, dout, mask = (None if a is None else move(a)
+                           for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(causal=causal, scale=scale, key_padding_mask=mask, layout=layout,
               strategy=args.strategy, block_size=args.block_size,
               check_finite=not getattr(args, "allow_nonfinite", False))
     with _agreed():
         with timer.phase("forward"):
-            out, lse = attention(q, k, v, c.mpi, progress=con.progress("forward"), **kw)
+            out, lse = attention(q, k, v, c, progress=con.progress("forward"), **kw)
         results = {"out": out, "lse": lse}
         if dout is not None and not getattr(args, "no_backward", False):
             with timer.phase("backward"):
-                dq, dk, dv = attention_backward(dout, q, k, v, out, lse, c.mpi,
+                dq, dk, dv = attention_backward(dout, q, k, v, out, lse, c,
                                                 progress=con.progress("backward"), **kw)
             results.update(dq=dq, dk=dk, dv=dv)
     return {name: to_host(x) for name, x in results.items()}
@@ -414,7 +414,7 @@ def _write_results(c: Any, path: str, results: dict[str, np.ndarray], inp: Any, 
         length = inp.m if name in ("dk", "dv") else inp.n
         rows[name] = io.Rows(y, length, ndim - (1 if name == "lse" else 2))
     with _agreed():
-        io.write_rows(path, rows, c.mpi, layout=layout, attrs=attrs, force=force)
+        io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force)
 
 
 def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale: float | None,
@@ -434,7 +434,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale
         return (f"skipped: the reference would need {need / 2**30:.1f} GiB on rank 0 "
                 f"(limit {limit_gib:g} GiB, --check-limit-gib)"), None
     with _agreed():
-        g = {name: gather(x, c.mpi, axis=-1 if name in ("lse", "key_padding_mask") else -2,
+        g = {name: gather(x, c, axis=-1 if name in ("lse", "key_padding_mask") else -2,
                           layout=layout)
              for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
                              ("key_padding_mask", inp.key_padding_mask), *results.items()]
@@ -449,7 +449,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale
     errors = c.bcast_obj(errors)
     bad = {k: e for k, e in errors.items() if not e <= tol}
     text = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
-    with _local(c):
+    with _agreed():  # errors were broadcast: every rank decides alike
         if bad:
             raise RuntimeError(f"check failed: relative errors {text} exceed the {dtype} "
                                f"tolerance {tol:g}")
@@ -476,13 +476,13 @@ def _run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bo
     with _agreed():
         if os.path.exists(output) and os.path.exists(path) and os.path.samefile(path, output):
             raise ValueError(f"the output {output} is the input file")
-        io.check_output(output, c.mpi, force=force)
-        attrs = io.read_attributes(path, c.mpi) or {}
+        io.check_output(output, c, force=force)
+        attrs = io.read_attributes(path, c) or {}
     causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal", False))
     layout = _effective_layout(args.layout, causal)
     with _agreed(), timer.phase("read"):
         try:
-            inp = io.read_input(path, c.mpi, layout=layout, dtype=getattr(args, "dtype", None),
+            inp = io.read_input(path, c, layout=layout, dtype=getattr(args, "dtype", None),
                                 check_finite=not getattr(args, "allow_nonfinite", False))
         except io.NonFiniteError as exc:
             raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
@@ -553,8 +553,8 @@ def cmd_example(args: Any, con: Console) -> int:
     output = args.output
     with _agreed():
         exists = c.bcast_obj(os.path.lexists(output))  # rank 0 decides for everybody
-        attrs = io.read_attributes(output, c.mpi) if exists else {}
-    with _local(c):
+        attrs = io.read_attributes(output, c) if exists else {}
+    with _agreed():  # exists and attrs come from rank 0: every rank decides alike
         if attrs is None or (exists and not attrs.get(EXAMPLE_ATTR)):
             raise FileExistsError(f"{os.path.abspath(output)} exists and is not an output of the "
                                   "mpiattn example; refusing to overwrite it (move it away or run "
@@ -584,8 +584,8 @@ def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | 
     spec = datagen.Spec(**spec_kw)
     timer = _Timer(c)
     with _agreed():
-        io.check_output(output, c.mpi, force=force)
-    with _local(c), timer.phase("generate"):
+        io.check_output(output, c, force=force)
+    with timer.phase("generate"), _local(c):
         rows = {}
         for name, (shape, axis) in spec.datasets().items():
             segs = all_segments(shape[axis], c.size, "contiguous")[c.rank]
@@ -594,7 +594,7 @@ def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | 
              "mpiattn_version": __version__, "seed": spec.seed, "padding": spec.padding,
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with _agreed(), timer.phase("write"):
-        io.write_rows(output, rows, c.mpi, attrs=attrs, force=force)
+        io.write_rows(output, rows, c, attrs=attrs, force=force)
     return spec, timer.times
 
 
@@ -614,18 +614,28 @@ def cmd_make_data(args: Any, con: Console) -> int:
     return 0
 
 
-def _transport_line(c: Any) -> str:
+def _transport_line(c: Any, any_gpu: bool) -> str:
+    """The CUDA-aware decision of :func:`mpiattn.gpu.describe_transport` (collective)."""
     if importlib.util.find_spec("mpiattn.gpu") is None:
         return "n/a (no GPU path)"
-    try:
-        from . import gpu
+    from . import gpu
 
-        describe = getattr(gpu, "describe_transport", None)
-        if describe is None:
-            return "n/a (mpiattn.gpu has no describe_transport)"
-        return str(describe(c.mpi))
+    describe = getattr(gpu, "describe_transport", None)
+    if describe is None:
+        return "n/a (mpiattn.gpu has no describe_transport)"
+    import logging
+
+    log = logging.getLogger("mpiattn.gpu")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its "staged" notice would repeat what info prints anyway
+    try:
+        d = describe(c)  # collective; raises alike on every rank
+        summary = d.get("summary", str(d)) if isinstance(d, dict) else str(d)
     except Exception as exc:  # noqa: BLE001 - info must not crash
         return f"unknown ({type(exc).__name__}: {exc})"
+    finally:
+        log.setLevel(level)
+    return summary if any_gpu else f"{summary} [unused here: no usable GPU]"
 
 
 def cmd_info(args: Any, con: Console) -> int:
@@ -638,8 +648,9 @@ def cmd_info(args: Any, con: Console) -> int:
 
     c = _comm()
     hosts = _hosts(c)
-    gpus = c.allgather_obj(_gpu_status()[1])
-    transport = _transport_line(c)
+    status = c.allgather_obj(_gpu_status())
+    gpus = [why for _, why in status]
+    transport = _transport_line(c, any(ok for ok, _ in status))
     con.say(f"mpiattn    {__version__} (python {sys.version.split()[0]}, numpy {np.__version__})")
     con.say(f"mpi4py     {mpi4py.__version__}; MPI {'.'.join(map(str, MPI.Get_version()))}: "
             f"{' '.join(MPI.Get_library_version().splitlines()[0].split())}")
@@ -654,7 +665,7 @@ def cmd_info(args: Any, con: Console) -> int:
         con.say(f"GPUs       every rank: {gpus[0]}")
     else:
         con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
-    con.say(f"transport  {transport}")
+    con.say(f"CUDA-aware {transport}")
     return 0
 
 

@@ -1,0 +1,296 @@
+"""The command line in-process (``mpiattn.cli.main``) at any rank count.
+
+Every rank calls ``main`` with the same argv, as under ``mpiexec``; the exit
+code must be the same on every rank and messages must come from rank 0 only.
+Output files are checked against the float64 reference on whole arrays read
+with h5py. End-to-end runs through ``mpiexec`` are in test_cli_e2e.py.
+"""
+
+import os
+import shutil
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiattn import cli, datagen
+from mpiattn.reference import reference
+
+from test_io import _bad
+
+
+@pytest.fixture
+def shared_dir(comm):
+    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-cli-") if comm.rank == 0 else None)
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run(comm, capsys, *argv):
+    """main(argv) on every rank: (code, rank 0's stdout, rank 0's stderr); other ranks stay silent."""
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    codes = comm.allgather_obj(code)
+    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
+    if comm.rank != 0:
+        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
+    else:
+        assert err.count("error:") <= 1, err
+    return code, out, err
+
+
+def _whole(path):
+    with h5py.File(path, "r") as f:
+        return {name: f[name][...] for name in f}, dict(f.attrs)
+
+
+def _assert_matches_reference(inp_path, out_path, causal, rtol=2e-4):
+    data, _ = _whole(inp_path)
+    got, attrs = _whole(out_path)
+    ref = reference(data["q"], data["k"], data["v"], data.get("dout"), causal=causal,
+                    key_padding_mask=data.get("key_padding_mask"))
+    for name in got:
+        want = getattr(ref, name)
+        assert got[name].shape == want.shape, name
+        fin = np.isfinite(want)
+        assert np.array_equal(fin, np.isfinite(got[name])), name
+        np.testing.assert_allclose(got[name][fin], want[fin], rtol=0,
+                                   atol=rtol * max(1.0, np.abs(want[fin]).max()), err_msg=name)
+    return got, attrs
+
+
+def _make(comm, capsys, path, *extra):
+    code, _, err = run(comm, capsys, "make-data", path, "--heads", 4, "--kv-heads", 2, "--seq", 70,
+                       "--kv-seq", 45, "--dim", 8, "--value-dim", 6, "--with-dout", "--padding", 0.2,
+                       "--seed", 5, "-q", *extra)
+    assert code == 0, err
+    return path
+
+
+@pytest.mark.parametrize("strategy,layout,causal", [
+    ("auto", "auto", True), ("ring", "contiguous", False), ("ring", "zigzag", True),
+    ("allgather", "zigzag", False), ("materialized", "contiguous", True)])
+def test_run_matches_reference(comm, capsys, shared_dir, strategy, layout, causal):
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"), *(["--causal"] if causal else []))
+    out = os.path.join(shared_dir, "out.h5")
+    code, text, err = run(comm, capsys, "run", inp, "-o", out, "--strategy", strategy, "--layout",
+                          layout, "--block-size", 16, "--check", "--device", "cpu")
+    assert code == 0, err
+    if comm.rank == 0:
+        assert "check" in text and "OK" in text and "causal" in text
+    got, attrs = _assert_matches_reference(inp, out, causal)
+    assert sorted(got) == ["dk", "dq", "dv", "lse", "out"]
+    assert attrs["ranks"] == comm.size and attrs["causal"] == causal
+    assert attrs["layout"] == (layout if layout != "auto" else ("zigzag" if causal else "contiguous"))
+    assert attrs["input_path"] == os.path.abspath(inp) and attrs["input_size"] == os.path.getsize(inp)
+    assert attrs["strategy"] == strategy and attrs["strategy_used"] != "auto"
+    assert attrs["time_forward_s"] >= 0 and attrs["mpiattn_version"]
+    assert sorted(os.listdir(shared_dir)) == ["in.h5", "out.h5"]
+
+
+def test_make_data_content_is_rank_count_independent(comm, capsys, shared_dir):
+    path = _make(comm, capsys, os.path.join(shared_dir, "in.h5"), "--causal", "--scale", 0.3)
+    spec = datagen.Spec(batch=1, heads=4, kv_heads=2, seq=70, kv_seq=45, dim=8, value_dim=6,
+                        with_dout=True, padding=0.2, seed=5)
+    data, attrs = _whole(path)
+    for name, (shape, axis) in spec.datasets().items():
+        np.testing.assert_array_equal(data[name], datagen.rows(spec, name, 0, shape[axis]))
+    assert bool(attrs["causal"]) and attrs["scale"] == 0.3 and attrs["seed"] == 5
+
+
+def test_low_dimensional_inputs_keep_their_shapes(comm, capsys, shared_dir):
+    path = os.path.join(shared_dir, "in.h5")
+    rng = np.random.default_rng(7)
+
+    def make():
+        with h5py.File(path, "w") as f:
+            f["q"], f["k"], f["v"] = rng.standard_normal((9, 4)), rng.standard_normal((6, 4)), \
+                rng.standard_normal((6, 3))
+            f["dout"] = rng.standard_normal((9, 3))
+            f.attrs["causal"] = True
+    if comm.rank == 0:
+        make()
+    comm.barrier()
+    out = os.path.join(shared_dir, "out.h5")
+    code, _, err = run(comm, capsys, "run", path, "-o", out, "--check", "--dtype", "float64")
+    assert code == 0, err
+    data, _ = _whole(path)
+    got, _ = _whole(out)
+    assert {k: v.shape for k, v in got.items()} == {"out": (9, 3), "lse": (9,), "dq": (9, 4),
+                                                    "dk": (6, 4), "dv": (6, 3)}
+    ref = reference(data["q"][None, None], data["k"][None, None], data["v"][None, None],
+                    data["dout"][None, None], causal=True)
+    np.testing.assert_allclose(got["dk"], ref.dk[0, 0], atol=1e-12)
+    np.testing.assert_allclose(got["out"], ref.out[0, 0], atol=1e-12)
+
+
+def test_more_ranks_than_rows_is_allowed(comm, capsys, shared_dir):
+    inp = os.path.join(shared_dir, "in.h5")
+    assert run(comm, capsys, "make-data", inp, "--seq", 2, "--kv-seq", 3, "--dim", 4, "--heads", 2,
+               "--with-dout", "-q")[0] == 0
+    out = os.path.join(shared_dir, "out.h5")
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--check", "--strategy", "ring")
+    assert code == 0, err
+    _assert_matches_reference(inp, out, causal=False)
+
+
+def test_no_backward_and_ulysses_heads(comm, capsys, shared_dir):
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
+    out = os.path.join(shared_dir, "out.h5")
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--no-backward")
+    assert code == 0, err
+    assert sorted(_whole(out)[0]) == ["lse", "out"]
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--force", "--strategy", "ulysses")
+    if 2 % comm.size == 0:  # Hkv = 2 heads must divide among the ranks
+        assert code == 0, err
+        _assert_matches_reference(inp, out, causal=False)
+    else:
+        assert code == 1
+        if comm.rank == 0:
+            assert "ulysses" in err
+
+
+BAD_RUNS = [("missing", "does not exist"), ("not-hdf5", "cannot open"), ("no-k", "no dataset 'k'"),
+            ("q-5d", "5 dimensions"), ("E", "feature size E"), ("M", "length M"),
+            ("heads", "multiple of Hkv"), ("int", "dtype int32"), ("complex", "complex64"),
+            ("mask-shape", "key_padding_mask has shape"), ("mask-dtype", "must be boolean"),
+            ("dout-shape", "dout has shape"), ("nan", "--allow-nonfinite")]
+
+
+@pytest.mark.parametrize("kind,message", BAD_RUNS, ids=[b[0] for b in BAD_RUNS])
+def test_bad_input_exits_1(comm, capsys, shared_dir, kind, message):
+    path = os.path.join(shared_dir, "in.h5")
+    if kind != "missing":
+        if comm.rank == 0:
+            _bad(kind, path)
+        comm.barrier()
+    out = os.path.join(shared_dir, "out.h5")
+    code, _, err = run(comm, capsys, "run", path, "-o", out)
+    assert code == 1
+    if comm.rank == 0:
+        assert err.startswith("mpiattn: error:") and message in err and err.count("\n") == 1, err
+    assert not os.path.exists(out)
+    if kind == "nan":
+        code, _, err = run(comm, capsys, "run", path, "-o", out, "--allow-nonfinite")
+        assert code == 0, err
+        assert np.isnan(_whole(out)[0]["out"]).any()
+
+
+def test_output_rules(comm, capsys, shared_dir):
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
+    out = os.path.join(shared_dir, "out.h5")
+    assert run(comm, capsys, "run", inp, "-o", out, "-q")[0] == 0
+    first = _whole(out)[0]
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--no-backward")
+    assert code == 1 and (comm.rank or "already exists" in err)
+    np.testing.assert_array_equal(_whole(out)[0]["dq"], first["dq"])  # untouched
+    assert run(comm, capsys, "run", inp, "-o", out, "--no-backward", "--force", "-q")[0] == 0
+    assert "dq" not in _whole(out)[0]
+    code, _, err = run(comm, capsys, "run", inp, "-o", inp, "--force")
+    assert code == 1 and (comm.rank or "is the input file" in err)
+    code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "no", "o.h5"))
+    assert code == 1 and (comm.rank or "does not exist" in err)
+    locked = "/sys" if os.geteuid() == 0 else os.path.join(shared_dir, "locked")
+    if locked != "/sys" and comm.rank == 0:
+        os.mkdir(locked, 0o555)
+    comm.barrier()
+    code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(locked, "o.h5"))
+    assert code == 1 and (comm.rank or "cannot create files" in err)
+    assert run(comm, capsys, "make-data", inp, "-q")[0] == 1  # make-data refuses too
+
+
+def test_failed_check_exits_1(comm, capsys, shared_dir, monkeypatch):
+    import mpiattn.reference as refmod
+
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
+    real = refmod.reference
+
+    def skewed(*a, **kw):
+        r = real(*a, **kw)
+        return r._replace(dv=r.dv * 1.01)
+    monkeypatch.setattr(refmod, "reference", skewed)
+    code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--check")
+    assert code == 1 and (comm.rank or ("check failed" in err and "dv" in err))
+    code, text, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o2.h5"),
+                          "--check", "--check-limit-gib", "1e-9")
+    assert code == 0 and (comm.rank or "skipped" in text)
+
+
+USAGE = [["run"], ["run", "in.h5"], ["run", "in.h5", "-o", "o.h5", "--block-size", "0"],
+         ["run", "in.h5", "-o", "o.h5", "--strategy", "best"], ["run", "in.h5", "-o", "o.h5",
+                                                                "--scale", "nan"],
+         ["make-data", "o.h5", "--padding", "1.5"], ["make-data", "o.h5", "--heads", "3",
+                                                     "--kv-heads", "2"],
+         ["make-data", "o.h5", "--seq", "-4"], ["frobnicate"], ["--bogus"],
+         ["run", "in.h5", "-o", "o.h5", "--causal", "--no-causal"]]
+
+
+@pytest.mark.parametrize("argv", USAGE, ids=[" ".join(a) for a in USAGE])
+def test_usage_errors_exit_2(comm, capsys, shared_dir, monkeypatch, argv):
+    monkeypatch.chdir(shared_dir)
+    code, _, err = run(comm, capsys, *argv)
+    assert code == 2
+    if comm.rank == 0:
+        assert "error:" in err
+    assert os.listdir(shared_dir) == []
+
+
+def test_help_version_info(comm, capsys):
+    code, text, _ = run(comm, capsys, "--help")
+    assert code == 0 and (comm.rank or "make-data" in text)
+    code, text, _ = run(comm, capsys, "run", "--help")
+    assert code == 0 and (comm.rank or "--allow-nonfinite" in text)
+    code, text, _ = run(comm, capsys, "--version")
+    assert code == 0 and (comm.rank or text.startswith("mpiattn "))
+    code, text, err = run(comm, capsys, "info")
+    assert code == 0, err
+    if comm.rank == 0:
+        for word in ("mpi4py", "MPI", f"ranks      {comm.size} on", "parallel HDF5", "GPUs",
+                     "CUDA-aware"):
+            assert word in text, (word, text)
+
+
+def test_device_gpu_without_gpu_exits_1(comm, capsys, shared_dir):
+    if cli._gpu_status()[0]:
+        pytest.skip("a GPU is usable here")
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
+    code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--device", "gpu")
+    assert code == 1 and (comm.rank or "no usable GPU" in err)
+    code, text, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--device", "auto")
+    assert code == 0, err
+
+
+def test_example(comm, capsys, shared_dir, monkeypatch):
+    monkeypatch.chdir(shared_dir)
+    code, text, err = run(comm, capsys)
+    assert code == 0, err
+    if comm.rank == 0:
+        assert "forward + backward, causal" in text and "OK" in text and f"{comm.size} rank(s)" in text
+    got, attrs = _whole(cli.EXAMPLE_OUTPUT)
+    assert attrs[cli.EXAMPLE_ATTR] == 1 and sorted(got) == ["dk", "dq", "dv", "lse", "out"]
+    _assert_matches_reference(attrs["input_path"], cli.EXAMPLE_OUTPUT, causal=True)
+    assert run(comm, capsys, "-q", "--strategy", "ring")[0] == 0  # overwrites its own output
+    assert _whole(cli.EXAMPLE_OUTPUT)[1]["strategy"] == "ring"
+    comm.barrier()  # everybody has read it
+    if comm.rank == 0:  # someone else's file under that name
+        os.remove(cli.EXAMPLE_OUTPUT)
+        with h5py.File(cli.EXAMPLE_OUTPUT, "w") as f:
+            f["precious"] = np.arange(3)
+    comm.barrier()
+    code, _, err = run(comm, capsys)
+    assert code == 1 and (comm.rank or "refusing to overwrite" in err)
+    assert list(_whole(cli.EXAMPLE_OUTPUT)[0]) == ["precious"]
+
+
+def test_bundled_example_is_reproducible():
+    path = os.path.join(os.path.dirname(cli.__file__), "data", "example.h5")
+    assert os.path.getsize(path) <= 1_000_000
+    data, attrs = _whole(path)
+    spec = datagen.Spec(**cli.EXAMPLE_SPEC)
+    assert sorted(data) == sorted(spec.datasets())
+    for name, (shape, axis) in spec.datasets().items():
+        np.testing.assert_array_equal(data[name], datagen.rows(spec, name, 0, shape[axis]))
+    assert bool(attrs["causal"])

@@ -1,0 +1,90 @@
+"""The float64 reference behind ``--check``: against explicit loops and finite differences."""
+
+import math
+
+import numpy as np
+import pytest
+
+from mpiattn.reference import reference
+
+
+def _problem(seed, B=2, H=4, Hkv=2, N=5, M=7, E=3, Ev=2):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, N, E))
+    k = rng.standard_normal((B, Hkv, M, E))
+    v = rng.standard_normal((B, Hkv, M, Ev))
+    dout = rng.standard_normal((B, H, N, Ev))
+    mask = rng.random((B, M)) < 0.3
+    mask[1, 0] = True  # with causal: query 0 of batch 1 sees no key
+    return q, k, v, dout, mask
+
+
+def _loops(q, k, v, causal, scale, mask):
+    """out and lse by explicit loops over visible keys."""
+    B, H, N, _ = q.shape
+    Hkv, M, Ev = k.shape[1], k.shape[2], v.shape[3]
+    out, lse = np.zeros((B, H, N, Ev)), np.full((B, H, N), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            kv = h // (H // Hkv)
+            for i in range(N):
+                js = [j for j in range(M) if not mask[b, j] and not (causal and j > i)]
+                if not js:
+                    continue
+                s = [scale * float(q[b, h, i] @ k[b, kv, j]) for j in js]
+                top = max(s)
+                w = [math.exp(x - top) for x in s]
+                lse[b, h, i] = top + math.log(sum(w))
+                out[b, h, i] = sum(wj * v[b, kv, j] for wj, j in zip(w, js)) / sum(w)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_loops(causal):
+    q, k, v, _, mask = _problem(1)
+    got = reference(q, k, v, causal=causal, key_padding_mask=mask, block_rows=2)
+    out, lse = _loops(q, k, v, causal, 1 / math.sqrt(3), mask)
+    np.testing.assert_allclose(got.out, out, atol=1e-13)
+    assert np.array_equal(np.isinf(got.lse), np.isinf(lse))
+    np.testing.assert_allclose(got.lse[np.isfinite(lse)], lse[np.isfinite(lse)], atol=1e-13)
+    assert got.dq is None
+    if causal:
+        assert np.isinf(got.lse[1, :, 0]).all() and not got.out[1, :, 0].any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_finite_differences(causal):
+    q, k, v, dout, mask = _problem(2)
+    scale = 0.7
+    got = reference(q, k, v, dout, causal=causal, scale=scale, key_padding_mask=mask, block_rows=3)
+
+    def loss(q, k, v):
+        return float((reference(q, k, v, causal=causal, scale=scale, key_padding_mask=mask).out
+                      * dout).sum())
+
+    eps = 1e-6
+    rng = np.random.default_rng(0)
+    for which, grad in (("q", got.dq), ("k", got.dk), ("v", got.dv)):
+        args = {"q": q, "k": k, "v": v}
+        x = args[which]
+        for flat in rng.choice(x.size, size=12, replace=False):
+            idx = np.unravel_index(flat, x.shape)
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            fd = (loss(**{**args, which: plus}) - loss(**{**args, which: minus})) / (2 * eps)
+            assert abs(fd - grad[idx]) < 1e-7, (which, idx, fd, grad[idx])
+    if causal:  # the query that sees nothing has zero gradient
+        assert not got.dq[1, :, 0].any()
+
+
+def test_rejects_bad_shapes():
+    q, k, v, dout, mask = _problem(3)
+    with pytest.raises(ValueError):
+        reference(q, k[:, :, :-1], v)
+    with pytest.raises(ValueError):
+        reference(q[:, :3], k, v)  # 3 heads over 2 kv heads
+    with pytest.raises(ValueError):
+        reference(q, k, v, key_padding_mask=mask[:, :-1])
+    with pytest.raises(ValueError):
+        reference(q, k, v, dout[..., :1])
