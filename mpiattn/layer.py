@@ -299,6 +299,7 @@ class MultiheadAttention:
         if (key is None) != (value is None):
             raise ValueError("pass both key and value (cross-attention) or neither (self-attention)")
         _check_array(query, "query", self.embed_dim, "embed_dim", self.dtype)
+        self._check_params()
         if self_attn:
             if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
                 raise ValueError(f"self-attention (key and value None) needs kdim == vdim == embed_dim, "
@@ -312,6 +313,18 @@ class MultiheadAttention:
                              "batch size and number of rows")
         if key.shape[0] != query.shape[0]:
             raise ValueError(f"query has batch size {query.shape[0]} but key has {key.shape[0]}")
+
+    def _check_params(self) -> None:
+        """Parameters an optimiser replaced must keep their names, shapes, dtype and device."""
+        want = self.param_shapes()
+        if set(self.params) != set(want):
+            raise ValueError(f"layer.params has keys {sorted(self.params)}; expected {sorted(want)}")
+        for name, shape in want.items():
+            w = self.params[name]
+            if backend.array_module(w) is not self._xp or tuple(w.shape) != shape or w.dtype != self.dtype:
+                raise TypeError(f"layer.params[{name!r}] must be a {self._xp.__name__} array of shape "
+                                f"{shape} and dtype {self.dtype}; got {type(w).__module__} "
+                                f"{tuple(w.shape)} {w.dtype}")
 
     # -------------------------------------------------------------- backward
     def backward(self, dy: Any) -> tuple[Any, Any, Any]:

@@ -200,6 +200,24 @@ def test_matches_reference_float64(comm, xp, case):
         assert_close(host(g), g_want[name], 1e-10, 1e-12, f"grad {name}")
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses", "materialized"])
+def test_strategies_and_small_blocks(comm, xp, strategy):
+    """Every attention strategy under the layer (ring with several blocks per rank)."""
+    layer = make_layer(xp, E=8, H=4, Hkv=4)
+    if strategy == "ulysses" and 4 % comm.size:
+        pytest.skip("ulysses needs the head counts divisible by P")
+    xq, xk, xv, pad, dy = make_inputs(layer, 1, 14, 14, True, seed=21)
+    sh = lambda a: mpiattn.shard(xp.asarray(a), axis=1, layout="zigzag")
+    y = layer.forward(sh(xq), causal=True, layout="zigzag", strategy=strategy, block_size=2)
+    dq, _, _ = layer.backward(sh(dy))
+    gat = lambda a: host(mpiattn.gather(a, axis=1, layout="zigzag", root=None))
+    want, g_want = reference(layer, xq, xk, xv, pad, dy, True, causal=True)
+    assert_close(gat(y), want["y"], 1e-10, 1e-12, "y")
+    assert_close(gat(dq), want["dxq"], 1e-10, 1e-12, "dxq")
+    for name, g in layer.grads.items():
+        assert_close(host(g), g_want[name], 1e-10, 1e-12, f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype,rtol,atol", [(np.float32, 2e-4, 2e-5), (np.float16, 2e-2, 2e-2)])
 def test_matches_reference_low_precision(comm, xp, dtype, rtol, atol):
     layer = make_layer(xp, E=8, H=2, Hkv=1, kdim=6, dtype=dtype)
@@ -299,6 +317,9 @@ def test_bad_inputs_raise_on_every_rank(comm, xp):
     bad_dy = xp.zeros((1, n, 7 if last else 8), dtype=np.float32)
     with pytest.raises(ValueError, match="dy has shape"):
         layer.backward(bad_dy)
+    layer.params["wo"] = layer.params["wo"].astype(np.float64)  # e.g. a careless optimiser
+    with pytest.raises(TypeError, match=r"params\['wo'\]"):
+        layer.forward(good, key, val)
 
 
 def test_bad_constructor_arguments():
