@@ -182,6 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", metavar="FILE", help="append every record as a JSON line")
     o.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib)")
     o.add_argument("--quiet", "-q", action="store_true", help="print only the table")
+    o.add_argument("--list", action="store_true", help="list the cases (with memory estimates) and exit")
     parser.add_argument("--worker", metavar="FILE", help=argparse.SUPPRESS)
 
 
@@ -311,19 +312,16 @@ def _spawn(args: argparse.Namespace, P: int, tasks: list[dict], cfg: dict, log: 
 
 # ----------------------------------------------------------------- the worker
 def _device_module(c: Any, device: str) -> Any:
+    """numpy, or cupy with one GPU bound to this rank (:func:`mpiattn.gpu.bind_device`)."""
     import numpy as np
 
     if device == "cpu":
         return np
+    from . import gpu
+
+    gpu.bind_device(c)
     import cupy
 
-    try:
-        from . import gpu
-        gpu.bind_device(c.mpi)
-    except (ImportError, AttributeError):
-        local = c.mpi.Split_type(__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_TYPE_SHARED)
-        cupy.cuda.Device(local.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
-        local.Free()
     return cupy
 
 
@@ -481,6 +479,17 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
 
     tasks, curves = build_tasks(args)
     cores = _usable_cores()
+    if args.list:
+        if rank == 0:
+            for P, t in tasks:
+                est = ""
+                if t["workload"] == "attention":
+                    est = "  est. " + ", ".join(f"{p} {estimate_bytes(t, P, p) / MiB:.0f} MiB"
+                                                for p in t["passes"]) + " per rank above the baseline"
+                print(f"{_describe(P, t)} [{t.get('plan')}]{est}")
+            for plan in curves:
+                print(f"memory curve: P={plan['memory_ranks']} cap {plan['memory_cap'] / MiB:.0f} MiB per rank")
+        return 0
     cfg = dict(seed=0, device=args.device, threads=args.threads, torch_threads=args.threads, cores=cores,
                max_memory=args.max_memory)
     records: list[dict] = []

@@ -302,6 +302,14 @@ def environment() -> dict:
         pass
     from . import __version__
     env["mpiattn"] = __version__
+    if "cupy" in sys.modules:
+        try:
+            import cupy
+            dev = cupy.cuda.Device()
+            env["gpu"] = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+            env["cupy"] = cupy.__version__
+        except Exception:  # noqa: BLE001 - informative only
+            pass
     return env
 
 
@@ -311,13 +319,19 @@ def environment() -> dict:
 _CLOCK = {"wall": 0.0, "cpu": 0.0}
 
 
+def _sync(xp: Any) -> None:
+    """Wait for all queued work of the current device, every stream (no-op for NumPy)."""
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
 def _timed(c: Any, xp: Any, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Run ``fn`` between barriers (device-synchronised); (seconds, result)."""
-    backend.synchronize(xp)
+    _sync(xp)
     c.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     res = fn()
-    backend.synchronize(xp)
+    _sync(xp)
     c.barrier()
     dt = time.perf_counter() - t0
     _CLOCK["wall"] += dt
