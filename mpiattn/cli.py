@@ -507,6 +507,7 @@ def _run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bo
     attrs_out = {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
                  "strategy": args.strategy, "strategy_used": strategy.split(" -> ")[-1],
                  "layout": layout, "dtype": str(inp.q.dtype), "device": xp.__name__,
+                 "gpu_transport": None if xp is np else getattr(c, "transport", None),
                  "causal": causal, "scale": scale if scale is not None else 1 / math.sqrt(inp.q.shape[3]),
                  "block_size": args.block_size,
                  "input_path": inp.info["path"], "input_size": inp.info["size"],
