@@ -28,6 +28,8 @@ Gradients (derived by hand from ``C = A B`` : ``dA = dC B^T``,
     dW_v = x_v^T dV          db_v = sum_rows dV          dx_v = dV W_v^T
 
 For self-attention (``x_q = x_k = x_v``) the three input gradients add up.
+``db_k`` is zero up to rounding: ``b_k`` shifts every score of a query row
+by the same amount, which the softmax ignores (kept for the usual API).
 
 Precision: parameters and activations are in the layer dtype; projections
 and parameter gradients accumulate in float32 for float16/float32 layers

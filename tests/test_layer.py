@@ -112,17 +112,17 @@ def make_inputs(layer, B, N, M, self_attn, seed, pad_frac=0.0):
     return xq, xk, xv, pad, dy
 
 
-def run_layer(layer, xp, xq, xk, xv, pad, dy, self_attn, causal=False, layout="contiguous"):
+def run_layer(layer, xp, xq, xk, xv, pad, dy, self_attn, causal=False, layout="contiguous", comm=None):
     """Shard global inputs, run forward and backward; return gathered host results."""
     dt = layer.dtype
-    sh = lambda a: mpiattn.shard(xp.asarray(a.astype(dt)), axis=1, layout=layout)
+    sh = lambda a: mpiattn.shard(xp.asarray(a.astype(dt)), comm, axis=1, layout=layout)
     q = sh(xq)
     k, v = (None, None) if self_attn else (sh(xk), sh(xv))
-    mask = None if pad is None else mpiattn.shard(xp.asarray(pad), axis=1, layout=layout)
-    y = layer.forward(q, k, v, causal=causal, key_padding_mask=mask, layout=layout)
+    mask = None if pad is None else mpiattn.shard(xp.asarray(pad), comm, axis=1, layout=layout)
+    y = layer.forward(q, k, v, comm, causal=causal, key_padding_mask=mask, layout=layout)
     assert y.shape == q.shape and y.dtype == dt
     dq, dk, dv = layer.backward(sh(dy))
-    gat = lambda a: host(mpiattn.gather(a, axis=1, layout=layout, root=None))
+    gat = lambda a: host(mpiattn.gather(a, comm, axis=1, layout=layout, root=None))
     out = {"y": gat(y), "dxq": gat(dq)}
     if self_attn:
         assert dk is None and dv is None
@@ -393,3 +393,47 @@ def test_load_errors_on_every_rank(comm, tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         MultiheadAttention.load(os.path.join(d, "junk.h5"))
     comm.barrier()
+
+
+# ------------------------------------------------------------ CuPy code path
+def test_device_arrays_with_fake_cupy(comm, xp, monkeypatch):
+    """layer.to('cupy') and CuPy-typed inputs, on machines without a GPU (tests/fake_cupy.py).
+
+    The fake's arrays are NumPy memory typed as CuPy arrays, so the results
+    must equal a NumPy run of the same layer bit for bit.
+    """
+    if xp is not np:
+        pytest.skip("the real CuPy backend runs every other test of this file")
+    import fake_cupy
+    from mpi4py import MPI
+
+    from mpiattn import gpu
+    from mpiattn.comm import Comm
+
+    for cache in ("_STREAMS", "_UPLOADERS"):  # keep the fake's streams out of module caches
+        monkeypatch.setattr(gpu, cache, {})
+    monkeypatch.setattr(gpu, "_SAID", set())
+    cp = fake_cupy.install(monkeypatch)
+    own = Comm(MPI.COMM_WORLD.Dup())  # its device transport dies with the fake
+    try:
+        layer = make_layer(np, E=8, H=4, Hkv=2, kdim=6, dtype=np.float32)
+        args = make_inputs(layer, 2, 9, 7, False, seed=31, pad_frac=0.3)
+        want = run_layer(layer, np, *args, False, causal=True)
+        g_want = {k: g.copy() for k, g in layer.grads.items()}
+        assert layer.to("cupy") is layer and layer.xp is cp
+        assert all(type(p).__module__ == "cupy" for p in layer.params.values())
+        with pytest.raises(TypeError, match=r"layer.to\('numpy'\)"):
+            layer.forward(np.zeros((1, 0, 8), dtype=np.float32))
+        got = run_layer(layer, cp, *args, False, causal=True, comm=own)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+        for k, g in layer.grads.items():
+            assert type(g).__module__ == "cupy"
+            np.testing.assert_array_equal(host(g), g_want[k])
+        layer.to("numpy")
+        assert all(type(p) is np.ndarray for p in layer.params.values())
+    finally:
+        if own.device_transport is not None:
+            own.device_transport.close()
+        own.mpi.Free()
+        fake_cupy.shutdown()
