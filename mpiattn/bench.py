@@ -493,6 +493,20 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
     cfg = dict(seed=0, device=args.device, threads=args.threads, torch_threads=args.threads, cores=cores,
                max_memory=args.max_memory)
     records: list[dict] = []
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+
+    def save(recs: list[dict]) -> None:
+        """Keep ``recs`` and append them to --json at once (a long run keeps what it measured)."""
+        for r in recs:
+            r.setdefault("run", stamp)
+            r.setdefault("suite", args.suite)
+        records.extend(recs)
+        if args.json and rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "a") as f:
+                for r in recs:
+                    f.write(json.dumps(r) + "\n")
+
     if in_job:
         P = c.size
         mine = [t for p, t in tasks if p == P or (t.get("impl") in ("reference", "torch") and P == 1)]
@@ -500,7 +514,7 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
             log(f"mpiattn bench: running the {len(mine)} of {len(tasks)} cases that use P={P} in this job")
         if cfg["max_memory"] is None:
             cfg["max_memory"] = int(0.9 * _available_memory() / _local_size(c))
-        run_in_job(c, mine, dict(cfg, fresh=False), records.extend)
+        run_in_job(c, mine, dict(cfg, fresh=False), save)
         if curves:
             log("mpiattn bench: the memory curve needs fresh jobs; run without mpiexec / --in-process for it")
     else:
@@ -509,22 +523,13 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
             limit = args.max_memory or int(0.9 * _available_memory() / P)
             recs = _spawn(args, P, [t], dict(cfg, fresh=True, max_memory=limit), log)
             log(f"[{i + 1}/{len(tasks)}] {_describe(P, t)}: {_summary(recs)}")
-            records += recs
+            save(recs)
         for plan in curves:
-            records += _memory_curve(args, plan, cfg, log)
+            save(_memory_curve(args, plan, cfg, log))
     if rank != 0:
         return 0
     env = next((r for r in records if r.get("workload") == "env"), None)
-    records += bench_report.derive(records)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    for r in records:
-        r.setdefault("run", stamp)
-        r.setdefault("suite", args.suite)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+    save(bench_report.derive(records))
     print(bench_report.format_table(records, env))
     print(f"\n(bench took {time.time() - t_start:.0f} s)")
     if args.plot:

@@ -11,29 +11,14 @@ holds several runs, the last record of each case wins.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Iterable
 
-__all__ = ["load", "plot_all"]
+__all__ = ["plot_all"]
 
 MiB = 2**20
-_CASE = ("workload", "impl", "pass", "kind", "op", "N", "P", "B", "H", "Hkv", "E", "Ev", "dtype", "causal",
-         "layout", "block", "device")
 _STYLE = {"fwd": "-", "fwdbwd": "--"}
-
-
-def load(paths: Iterable[str]) -> list[dict]:
-    """Records of JSON-lines files, the last of each case kept (later runs replace earlier ones)."""
-    latest: dict[tuple, dict] = {}
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    latest[tuple(str(r.get(k)) for k in _CASE)] = r
-    return list(latest.values())
 
 
 def _pyplot() -> Any:
@@ -213,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) < 2:
         print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
         return 2
+    from .bench_report import load
+
     for path in plot_all(load(argv[:-1]), argv[-1]):
         print(f"wrote {path}")
     return 0

@@ -18,10 +18,12 @@ measurement). :func:`derive` adds, without running anything:
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from typing import Any, Iterable
 
-__all__ = ["tile_key", "derive", "format_table", "TARGET_N", "MEMORY_N"]
+__all__ = ["tile_key", "derive", "format_table", "load", "TARGET_N", "MEMORY_N"]
 
 MiB = 2**20
 #: Problem of the speed targets: N = 32k, B = H = 1, E = Ev = 64, float32, not causal.
@@ -29,6 +31,27 @@ TARGET_N = 32768
 #: Sequence length of the memory target.
 MEMORY_N = 65536
 _SHAPE_KEYS = ("B", "H", "Hkv", "E", "Ev", "dtype", "causal", "layout", "block", "device")
+_CASE = ("workload", "impl", "pass", "op", "N", "P", "measured_with") + _SHAPE_KEYS
+
+
+def load(paths: Iterable[str]) -> list[dict]:
+    """Measured records of JSON-lines files, the last of each case kept, derived records made anew.
+
+    Later runs replace earlier ones case by case; ``scaling`` and ``target``
+    records in the files are dropped and recomputed by :func:`derive` (so
+    results of several runs combine).
+    """
+    latest: dict[tuple, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    if r.get("workload") in ("scaling", "target"):
+                        continue
+                    latest[tuple(str(r.get(k)) for k in _CASE)] = r
+    records = list(latest.values())
+    return records + derive(records)
 
 
 def tile_key(t: dict, P: int) -> tuple:
@@ -319,3 +342,19 @@ def format_table(records: list[dict], env: dict | None = None) -> str:
     for part in (_attention_lines, _gemm_lines, _product_lines, _scaling_lines, _memory_lines, _target_lines):
         lines += part(records)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mpiattn.bench_report RESULTS.jsonl [...]``: print the table of saved results."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m mpiattn.bench_report RESULTS.jsonl [MORE.jsonl ...]", file=sys.stderr)
+        return 2
+    records = load(argv)
+    env = next((r for r in reversed(records) if r.get("workload") == "env"), None)
+    print(format_table(records, env))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -608,6 +608,8 @@ def _ceilings(c: Any, xp: Any, t: dict, records: list[dict]) -> list[dict]:
         if r.get("status") == "ok" and "gflops_per_rank" in r:
             r["gemm_square_gflops"] = sq[0]["gflops_per_rank"]
             r["gemm_tile_gflops"] = rate[r["pass"]]
+            r["frac_gemm_square"] = r["gflops_per_rank"] / r["gemm_square_gflops"]
+            r["frac_gemm_tile"] = r["gflops_per_rank"] / r["gemm_tile_gflops"]
     where = f"{t['impl']} N={t['N']}"
     return [dict(g, P=P, measured_with=where) for g in sq + tiles]
 
