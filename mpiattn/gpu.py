@@ -398,13 +398,15 @@ def _nccl_feasible(c: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def decide_transport(comm: Any = None) -> tuple[str, str]:
+def decide_transport(comm: Any = None, notify: bool = True) -> tuple[str, str]:
     """Choose how device buffers cross ranks (collective; every rank gets the same answer).
 
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm or mpiattn.comm.Comm, optional
         Default ``MPI.COMM_WORLD``.
+    notify : bool
+        Log the one-line notice (rank 0, once) when falling back to staged.
 
     Returns
     -------
@@ -429,7 +431,8 @@ def decide_transport(comm: Any = None) -> tuple[str, str]:
         if ok:
             return "nccl", "requested (MPIATTN_GPU_TRANSPORT=nccl)"
         reason = f"MPIATTN_GPU_TRANSPORT=nccl but {why}"
-        _notice(c, f"device buffers are staged through host memory: {reason}")
+        if notify:
+            _notice(c, f"device buffers are staged through host memory: {reason}")
         return "staged", reason
     votes = c.allgather_obj(judge_evidence(gather_evidence(c)))
     if want == "cuda-aware":
@@ -442,8 +445,9 @@ def decide_transport(comm: Any = None) -> tuple[str, str]:
         return "cuda-aware", votes[0][1]
     r, (_, why) = next((r, vw) for r, vw in enumerate(votes) if vw[0] <= 0)
     reason = why if c.size == 1 else f"rank {r}: {why}"
-    _notice(c, f"device buffers are staged through host memory ({reason}); "
-               "set MPIATTN_GPU_TRANSPORT=cuda-aware|nccl to override")
+    if notify:
+        _notice(c, f"device buffers are staged through host memory ({reason}); "
+                   "set MPIATTN_GPU_TRANSPORT=cuda-aware|nccl to override")
     return "staged", reason
 
 
@@ -464,7 +468,7 @@ def describe_transport(comm: Any = None) -> dict:
     if configured is not None:
         name, reason = configured.name, getattr(configured, "reason", "configured")
     else:
-        name, reason = decide_transport(c)
+        name, reason = decide_transport(c, notify=False)
     evidence = c.bcast_obj(gather_evidence(c) if c.rank == 0 else None)
     requested = os.environ.get("MPIATTN_GPU_TRANSPORT", "auto").strip().lower() or "auto"
     return {"requested": requested, "transport": name, "reason": reason, "evidence": evidence,

@@ -130,6 +130,12 @@ class Stream:
     def synchronize(self) -> None:
         self.record().synchronize()
 
+    def __enter__(self) -> "Stream":  # "kernels" still run at once: nothing to switch
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
     def stop(self) -> None:
         self._ops.put(None)
         self._thread.join(WAIT_LIMIT_S)
@@ -148,6 +154,7 @@ class _State:
 
 
 _state = _State()
+_saved: list[_State] = []  # states replaced by install(), restored by shutdown()
 
 
 def _memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
@@ -293,6 +300,7 @@ def install(monkeypatch: Any, device_count: int | Exception = 1, bus_id: str | N
             jitter: float = 2e-4) -> types.ModuleType:
     """Put a fresh fake CuPy into ``sys.modules`` for one test; returns the ``cupy`` module."""
     global _state
+    _saved.append(_state)
     _state = _State()
     _state.device_count, _state.jitter = device_count, jitter
     if bus_id is not None:
@@ -304,12 +312,17 @@ def install(monkeypatch: Any, device_count: int | Exception = 1, bus_id: str | N
 
 
 def shutdown() -> None:
-    """Stop the stream threads and free the fake NCCL communicators; raise a stream's error."""
-    for s in list(_state.streams.values()):
+    """Stop the stream threads, free the fake NCCL communicators, restore the state that
+    :func:`install` replaced; raise a stream's error."""
+    global _state
+    done = _state
+    for s in list(done.streams.values()):
         if isinstance(s, Stream):
             s.stop()
-    for c in _state.nccl_comms:
+    for c in done.nccl_comms:
         c.mpi.Free()
-    _state.nccl_comms.clear()
-    if _state.errors:
-        raise _state.errors[0]
+    done.nccl_comms.clear()
+    if _saved:
+        _state = _saved.pop()
+    if done.errors:
+        raise done.errors[0]
