@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mpiattn GPU check: one machine, one GPU, under 5 minutes, nothing fetched from the network.
 #
-#   jobs/gpu_check.sh [OUTDIR]        on the GPU machine; results go to OUTDIR, else $OUT, else ./gpu-check
+#   jobs/gpu_check.sh [OUTDIR]        on the GPU machine; results go to OUTDIR, else $OUT, else /tmp/mpiattn-gpu-check
 #   jobs/gpu_check.sh --fetch-wheels  on a machine with network: download into .whl/ (git-ignored)
 #                                     the wheels a GPU image may lack (mpich, mpi4py, pytest-mpi)
 #   jobs/gpu_check.sh --dry-run [DIR] on a machine without a GPU: the same steps against the fake
@@ -58,7 +58,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     BENCH_ARGS=(--sizes "256,512" --dims 16 --block 64 --no-torch)
 fi
 
-OUTDIR=${1:-${OUT:-$REPO/gpu-check}}
+OUTDIR=${1:-${OUT:-/tmp/mpiattn-gpu-check}}
 mkdir -p "$OUTDIR"
 LOG=$OUTDIR/gpu_check.log
 SUMMARY=$OUTDIR/summary.json

@@ -201,6 +201,10 @@ def compute_stream() -> Any:
 
     Use it as ``with gpu.compute_stream(): ...`` so that compute does not
     run on the legacy default stream (which would serialise with copies).
+
+    Returns
+    -------
+    cupy.cuda.Stream
     """
     import cupy
 
