@@ -176,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--check-finite", action="store_true", help="keep the NaN/Inf input check in timed calls")
     r.add_argument("--in-process", action="store_true", help="run in this MPI job instead of launching jobs")
     r.add_argument("--mpiexec", metavar="CMD", help="launcher (default: mpiexec beside python, else on PATH)")
+    r.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each case, wait up to this long for the machine to be idle (shared machines)")
     r.add_argument("--allow-oversubscribe", action="store_true",
                    help="time with more ranks than usable cores (numbers are then not meaningful)")
     o = parser.add_argument_group("output")
@@ -308,6 +310,42 @@ def _spawn(args: argparse.Namespace, P: int, tasks: list[dict], cfg: dict, log: 
             if done == 0:
                 records += [dict(t, P=P, status="error", reason=f"worker exit {code}: {tail[-300:]}") for t in tasks]
         return records
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat (None where unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    total = sum(vals[:8])
+    return total - idle, total
+
+
+def _wait_idle(limit_s: float, cores: int, log: Any) -> tuple[float, float | None]:
+    """Wait (at most ``limit_s``) until other processes use under 0.2 cores for 3 s in a row.
+
+    Returns the seconds waited and the busy cores seen last (None without /proc/stat).
+    """
+    t0 = time.time()
+    calm, busy = 0, None
+    prev = _cpu_ticks()
+    while prev is not None and time.time() - t0 < limit_s:
+        time.sleep(1.0)
+        now = _cpu_ticks()
+        if now is None or now[1] == prev[1]:
+            break
+        busy = cores * (now[0] - prev[0]) / (now[1] - prev[1])
+        prev = now
+        calm = calm + 1 if busy < 0.2 else 0
+        if calm >= 3:
+            break
+    waited = time.time() - t0
+    if waited > 30:
+        log(f"    waited {waited:.0f} s for an idle machine (busy cores last: {busy:.2f})")
+    return waited, busy
 
 
 # ----------------------------------------------------------------- the worker
@@ -443,8 +481,8 @@ def _summary(recs: list[dict]) -> str:
         if r.get("status") != "ok":
             parts.append(f"{r.get('pass', '')} {r.get('status')}: {r.get('reason', '')}")
         elif "time_s" in r:
-            frac = f" ({r['gflops_per_rank'] / r['gemm_square_gflops']:.0%} of GEMM)" \
-                if r.get("gemm_square_gflops") else ""
+            frac = f" ({r['gflops_per_rank'] / r['gemm_square_gflops_here']:.0%} of a GEMM right after)" \
+                if r.get("gemm_square_gflops_here") else ""
             parts.append(f"{r.get('pass', '')} {r['time_s']:.3f} s{frac}".strip())
         elif "gflops_per_rank" in r:
             parts.append(f"{r.get('pass', '')} {r['gflops_per_rank']:.1f} GF/s/rank".strip())
@@ -521,7 +559,10 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
         tasks = [(P, t) for P, t in tasks if _allowed(args, P, t, cores, log)]
         for i, (P, t) in enumerate(tasks):
             limit = args.max_memory or int(0.9 * _available_memory() / P)
+            waited, busy = _wait_idle(args.wait_idle, cores, log) if args.wait_idle > 0 else (0.0, None)
             recs = _spawn(args, P, [t], dict(cfg, fresh=True, max_memory=limit), log)
+            for r in recs:
+                r.update(idle_wait_s=round(waited, 1), busy_cores_before=busy)
             log(f"[{i + 1}/{len(tasks)}] {_describe(P, t)}: {_summary(recs)}")
             save(recs)
         for plan in curves:

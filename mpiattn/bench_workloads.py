@@ -606,10 +606,8 @@ def _ceilings(c: Any, xp: Any, t: dict, records: list[dict]) -> list[dict]:
     rate = {r["pass"]: r["gflops_per_rank"] for r in tiles}
     for r in records:
         if r.get("status") == "ok" and "gflops_per_rank" in r:
-            r["gemm_square_gflops"] = sq[0]["gflops_per_rank"]
-            r["gemm_tile_gflops"] = rate[r["pass"]]
-            r["frac_gemm_square"] = r["gflops_per_rank"] / r["gemm_square_gflops"]
-            r["frac_gemm_tile"] = r["gflops_per_rank"] / r["gemm_tile_gflops"]
+            r["gemm_square_gflops_here"] = sq[0]["gflops_per_rank"]
+            r["gemm_tile_gflops_here"] = rate[r["pass"]]
     where = f"{t['impl']} N={t['N']}"
     return [dict(g, P=P, measured_with=where) for g in sq + tiles]
 
@@ -619,7 +617,8 @@ def _time_record(c: Any, common: dict, pass_: str, times: list[float], flops: fl
     med = statistics.median(times)
     peaks = c.allgather_obj(int(peak))
     P = common["P"]
-    return dict(common, **{"pass": pass_}, times_s=times, time_s=med, flops=flops, cpu_wall_ratio=_cpu_ratio(c),
+    return dict(common, **{"pass": pass_}, times_s=times, time_s=med, time_min_s=min(times), flops=flops,
+                cpu_wall_ratio=_cpu_ratio(c),
                 loadavg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                 gflops=flops / med / 1e9, gflops_per_rank=flops / med / 1e9 / P,
                 bytes_sent_per_rank=_max_over_ranks(c, float(sent)),
