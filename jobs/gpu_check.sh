@@ -6,7 +6,8 @@
 #                                     the wheels a GPU image may lack (mpich, mpi4py, pytest-mpi)
 #   jobs/gpu_check.sh --dry-run [DIR] on a machine without a GPU: the same steps against the fake
 #                                     CuPy of tests/fake_cupy.py, tiny benchmark sizes (checks the
-#                                     script and the CuPy code paths, not the GPU; numbers mean nothing)
+#                                     script and the CuPy code paths, not the GPU; numbers mean
+#                                     nothing; carried wheels are not installed)
 #
 # Sections, each with a time limit, in order of priority; a section that no longer fits in
 # the total budget (GPU_CHECK_BUDGET_S, default 270 s) is skipped and reported as such:
@@ -52,8 +53,10 @@ if [[ "${1:-}" == "--two-ranks" ]]; then  # internal: pytest on 2 ranks sharing 
 fi
 
 BENCH_ARGS=()
+DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then
     shift
+    DRY=1
     export PYTHONPATH=$REPO/tests/fake_site${PYTHONPATH:+:$PYTHONPATH}
     BENCH_ARGS=(--sizes "256,512" --dims 16 --block 64 --no-torch)
 fi
@@ -109,7 +112,7 @@ finish() {
 # ------------------------------------------------------------------ 1. preflight
 say "== preflight $(date -u +%FT%TZ) in $REPO"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if ((DRY == 0)) && compgen -G ".whl/*.whl" >/dev/null; then
     DEPS=/tmp/mpiattn-deps
     say "installing carried wheels from .whl/ into $DEPS (no network): $(cd .whl && echo *.whl)"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --prefix "$DEPS" .whl/*.whl 2>&1 | tee -a "$LOG"
