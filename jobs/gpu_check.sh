@@ -163,6 +163,9 @@ if [[ -z $CHECK_WITH_MPI ]]; then
     say "skipping the whole-suite sections (no pytest-mpi)"
 else
     section "CuPy suite, 1 rank" 80 "${PYTEST[@]}" --maxfail=20 tests
+    # the attention tests again with the fused elementwise kernels switched in (opt-in until this passes)
+    section "attention tests, fused kernels, 1 rank" 40 \
+        env MPIATTN_FUSED_KERNELS=1 "${PYTEST[@]}" --maxfail=10 tests/test_attention.py tests/test_layer.py
     if [[ -n $CHECK_MPIEXEC ]]; then
         section "CuPy suite, 2 ranks, staged" 80 \
             env MPIATTN_GPU_TRANSPORT=staged "$0" --two-ranks --maxfail=20 tests

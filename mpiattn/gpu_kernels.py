@@ -4,10 +4,12 @@
 array code: on a GPU every step is a kernel that reads (and often writes)
 the whole score tile, so for head dimensions of 64-128 those passes, not
 the GEMMs, bound the speed. The functions here do the same arithmetic in
-fewer passes. Each takes NumPy or CuPy arrays: on NumPy (or when
-``MPIATTN_FUSED_KERNELS=0``) it runs the generic version in
-:data:`reference`, on CuPy the fused kernel, compiled on first use. They
-are meant to be switched in by :func:`use_fused`.
+fewer passes. Each takes NumPy or CuPy arrays: on NumPy (or unless
+``MPIATTN_FUSED_KERNELS=1``) it runs the generic version in
+:data:`reference`, on CuPy the fused kernel, compiled on first use.
+:mod:`mpiattn.kernels` switches them in when :func:`use_fused` says so.
+They are opt-in until ``jobs/gpu_check.sh`` has compared them with the
+generic code on a real GPU (no session so far had one).
 
 Shapes: ``S``, ``P``, ``dP`` are score tiles ``(..., r, k)`` (``r`` query
 rows, ``k`` keys), C-contiguous where noted; per-row arrays ``m``, ``l``,
@@ -45,8 +47,8 @@ __all__ = ["use_fused", "softmax_step_", "exp_sub_rowmax_", "rescale_", "rescale
 
 
 def use_fused(xp: Any) -> bool:
-    """True when ``xp`` is CuPy and ``MPIATTN_FUSED_KERNELS`` is not "0"."""
-    return xp is not np and os.environ.get("MPIATTN_FUSED_KERNELS", "1") != "0"
+    """True when ``xp`` is CuPy and ``MPIATTN_FUSED_KERNELS=1`` (opt-in: not yet run on a GPU)."""
+    return xp is not np and os.environ.get("MPIATTN_FUSED_KERNELS", "0") == "1"
 
 
 # ----------------------------------------------------------------- reference

@@ -30,6 +30,9 @@ Backward, recomputing ``P`` from ``lse``::
 
 (``qs`` already carries ``s``, so ``dK_c`` needs no extra factor and ``dQ``
 is multiplied by ``s`` once at the end.)
+
+On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the elementwise steps run as fused
+kernels from :mod:`mpiattn.gpu_kernels` (same arithmetic, fewer passes).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import backend
+from . import gpu_kernels as gk
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "forward_block", "finalize",
            "backward_block", "padding_bias", "DEFAULT_TILE"]
@@ -184,6 +188,7 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
     n = q_pos.size
     lead = qs.shape[:2]
     ws = st.ws
+    fused = gk.use_fused(xp)
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
         kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
@@ -202,6 +207,11 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
                 S += kb
             if vis == "some":
                 S += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
+            if fused:
+                alpha = gk.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
+                gk.rescale_add_(st.o[..., r0:r1, :], alpha,
+                                xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt)))
+                continue
             m_old = st.m[..., r0:r1]
             m_new = S.max(axis=-1, out=ws.get("m_new", rows, dt))
             xp.maximum(m_new, m_old, out=m_new)
@@ -268,6 +278,7 @@ def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group:
     n = q_pos.size
     lead = qs.shape[:2]
     E, Ev = qs.shape[-1], do.shape[-1]
+    fused = gk.use_fused(xp)
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
         kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
@@ -289,12 +300,18 @@ def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group:
                 P += kb
             if vis == "some":
                 P += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
-            P -= lse[..., r0:r1, None]
-            xp.exp(P, out=P)
+            if fused:
+                gk.exp_sub_(P, lse[..., r0:r1])
+            else:
+                P -= lse[..., r0:r1, None]
+                xp.exp(P, out=P)
             PT = P.swapaxes(-1, -2)
             dv_c += xp.matmul(PT, do_t, out=ws.get("dv", lead + (kk, Ev), dt))
             dS = xp.matmul(do_t, vT, out=ws.get("dS", rows + (kk,), dt))
-            dS -= D[..., r0:r1, None]
-            dS *= P
+            if fused:
+                gk.softmax_grad_(dS, P, D[..., r0:r1])
+            else:
+                dS -= D[..., r0:r1, None]
+                dS *= P
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
             dk_c += xp.matmul(dS.swapaxes(-1, -2), q_t, out=ws.get("dk", lead + (kk, E), dt))

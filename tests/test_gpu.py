@@ -465,7 +465,8 @@ def test_gpu_upload(cp):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gpu_fused_kernels_match_generic(cp, dtype):
+def test_gpu_fused_kernels_match_generic(cp, dtype, monkeypatch):
+    monkeypatch.setenv("MPIATTN_FUSED_KERNELS", "1")
     if not hasattr(cp, "RawKernel"):
         pytest.skip("this CuPy cannot compile kernels (the fake of jobs/gpu_check.sh --dry-run)")
     rng = np.random.default_rng(5)
