@@ -444,7 +444,12 @@ class Comm:
             raise TypeError(f"reductions need float32 or float64 buffers, got {dtype}") from None
 
     def allreduce_(self, x: Any) -> Any:
-        """Sum a contiguous float32/float64 array over all ranks, in place; returns ``x``."""
+        """Sum a contiguous float32/float64 array over all ranks, in place; returns ``x``.
+
+        The result is bitwise identical on every rank (a reduce to rank 0 and
+        a broadcast: MPI only *recommends* that ``MPI_Allreduce`` give every
+        rank the same bits, and replicated parameters must never drift apart).
+        """
         from mpi4py import MPI
 
         if self.size == 1 or x.size == 0:
@@ -452,7 +457,10 @@ class Comm:
         buf, finish = self._recv_buf(x)
         if buf is not x:
             buf[...] = x.get()
-        self.mpi.Allreduce(MPI.IN_PLACE, [buf, self._typed(x.dtype)], op=MPI.SUM)
+        spec = [buf, self._typed(x.dtype)]
+        self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else spec, spec if self.rank == 0 else None,
+                        op=MPI.SUM, root=0)
+        self.mpi.Bcast(spec, root=0)
         if finish is not None:
             finish()
         return x
