@@ -325,8 +325,14 @@ def _sync(xp: Any) -> None:
         xp.cuda.Device().synchronize()
 
 
-def _timed(c: Any, xp: Any, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Run ``fn`` between barriers (device-synchronised); (seconds, result)."""
+def _timed(c: Any, xp: Any, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """Run ``fn`` between barriers (device-synchronised): (wall s, CPU s, result).
+
+    Wall time counts the slowest rank. CPU time is this process's, the
+    largest over the ranks: on a machine shared with other work it leaves out
+    the time the process was descheduled (MPI ranks waiting for each other
+    poll, so it counts their waits).
+    """
     _sync(xp)
     c.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -334,9 +340,10 @@ def _timed(c: Any, xp: Any, fn: Callable[[], Any]) -> tuple[float, Any]:
     _sync(xp)
     c.barrier()
     dt = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     _CLOCK["wall"] += dt
-    _CLOCK["cpu"] += time.process_time() - c0
-    return dt, res
+    _CLOCK["cpu"] += cpu
+    return dt, (cpu if c.size == 1 else max(c.allgather_obj(cpu))), res
 
 
 def _cpu_ratio(c: Any) -> float:
@@ -347,15 +354,16 @@ def _cpu_ratio(c: Any) -> float:
 
 
 def _repeat(c: Any, xp: Any, fn: Callable[[], Any], warmup: int, repeat: int,
-            keep_last: bool = False) -> tuple[list[float], Any]:
-    """Times of ``repeat`` calls after ``warmup``; the previous result is dropped before each call."""
-    times, res = [], None
+            keep_last: bool = False) -> tuple[list[float], list[float], Any]:
+    """Wall and CPU times of ``repeat`` calls after ``warmup`` (the previous result dropped before each)."""
+    times, cpus, res = [], [], None
     for i in range(warmup + repeat):
         res = None
-        dt, res = _timed(c, xp, fn)
+        dt, cpu, res = _timed(c, xp, fn)
         if i >= warmup:
             times.append(dt)
-    return times, (res if keep_last else None)
+            cpus.append(cpu)
+    return times, cpus, (res if keep_last else None)
 
 
 def _max_over_ranks(c: Any, value: float) -> float:
@@ -420,8 +428,9 @@ def _reference_impl(c: Any, t: dict) -> tuple[Callable, Callable]:
         S = xp.matmul(q.astype(acc, copy=False), kk.swapaxes(-1, -2))
         S *= acc.type(scale)
         if t["causal"]:
-            hidden = np.triu(np.ones((t["N"], t["M"]), dtype=bool), 1)
-            S[..., backend.to_device(hidden, xp)] = -np.inf
+            hidden = backend.to_device(np.triu(np.ones((t["N"], t["M"]), dtype=bool), 1), xp)
+            for S2 in S.reshape(-1, t["N"], t["M"]):      # one (N, M) slice at a time (also on CuPy)
+                S2[hidden] = -np.inf
         m = S.max(axis=-1, keepdims=True)
         S -= m
         xp.exp(S, out=S)
@@ -548,12 +557,12 @@ def _attention_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> li
                   warmup=warmup, repeat=repeat, status="ok")
     # phase 1: forward alone (torch: inference mode)
     with counter.active():
-        tf, res = _repeat(c, xp, lambda: fwd(q, k, v), warmup, repeat, keep_last=True)
+        tf, cf, res = _repeat(c, xp, lambda: fwd(q, k, v), warmup, repeat, keep_last=True)
     calls = warmup + repeat
     fwd_sent = counter.sent / calls
     peak_fwd = mem.peak()
     est = dict((p, e) for p, e, _ in allowed)
-    records.append(_time_record(c, common, "fwd", tf, attention_flops(t, "fwd"), fwd_sent,
+    records.append(_time_record(c, common, "fwd", tf, cf, attention_flops(t, "fwd"), fwd_sent,
                                 peak_fwd, est["fwd"] if "fwd" in est else estimate_bytes(t, P, "fwd"),
                                 mem))
     if "fwd" not in passes:
@@ -567,20 +576,22 @@ def _attention_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> li
         counter.sent = 0
         if impl == "torch":
             res = None
-            tfg, tb = [], []
+            tfg, tb, total, total_cpu = [], [], [], []
             for i in range(warmup + repeat):
                 o = None
-                dt_f, o = _timed(c, xp, lambda: fwd_grad(q, k, v))
-                dt_b, _ = _timed(c, xp, lambda: bwd(dout, q, k, v, o))
+                dt_f, cpu_f, o = _timed(c, xp, lambda: fwd_grad(q, k, v))
+                dt_b, cpu_b, _ = _timed(c, xp, lambda: bwd(dout, q, k, v, o))
                 if i >= warmup:
                     tfg.append(dt_f)
                     tb.append(dt_b)
-            total = [a + b for a, b in zip(tfg, tb)]
+                    total.append(dt_f + dt_b)
+                    total_cpu.append(cpu_f + cpu_b)
         else:
             with counter.active():
-                tb, _ = _repeat(c, xp, lambda: bwd(dout, q, k, v, res), warmup, repeat)
+                tb, cb, _ = _repeat(c, xp, lambda: bwd(dout, q, k, v, res), warmup, repeat)
             total = [statistics.median(tf) + b for b in tb]
-        rec = _time_record(c, common, "fwdbwd", total, attention_flops(t, "fwdbwd"),
+            total_cpu = [statistics.median(cf) + b for b in cb]
+        rec = _time_record(c, common, "fwdbwd", total, total_cpu, attention_flops(t, "fwdbwd"),
                            fwd_sent + counter.sent / calls, mem.peak(), est["fwdbwd"], mem)
         rec["times_bwd_s"] = tb
         if impl == "torch":
@@ -612,25 +623,27 @@ def _ceilings(c: Any, xp: Any, t: dict, records: list[dict]) -> list[dict]:
     return [dict(g, P=P, measured_with=where) for g in sq + tiles]
 
 
-def _time_record(c: Any, common: dict, pass_: str, times: list[float], flops: float, sent: float,
-                 peak: int, est: int, mem: MemoryMeter) -> dict:
-    med = statistics.median(times)
+def _time_record(c: Any, common: dict, pass_: str, times: list[float], cpus: list[float], flops: float,
+                 sent: float, peak: int, est: int, mem: MemoryMeter) -> dict:
+    med, med_cpu = statistics.median(times), statistics.median(cpus)
     peaks = c.allgather_obj(int(peak))
     P = common["P"]
     return dict(common, **{"pass": pass_}, times_s=times, time_s=med, time_min_s=min(times), flops=flops,
                 cpu_wall_ratio=_cpu_ratio(c),
                 loadavg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                 gflops=flops / med / 1e9, gflops_per_rank=flops / med / 1e9 / P,
+                times_cpu_s=cpus, time_cpu_s=med_cpu, gflops_per_rank_cpu=flops / med_cpu / 1e9 / P,
                 bytes_sent_per_rank=_max_over_ranks(c, float(sent)),
                 peak_bytes=max(peaks), peak_bytes_per_rank=peaks, est_bytes=est,
                 memory_kind="cupy-pool-high-water" if mem.gpu else "ru_maxrss")
 
 
 def _gemm_rate(c: Any, xp: Any, fn: Callable[[], None], flops: float, repeat: int,
-               min_time: float = 0.05) -> tuple[float, list[float]]:
-    """Per-rank GFLOP/s of ``fn`` (every rank runs it at once), median of ``repeat`` samples."""
+               min_time: float = 0.05) -> tuple[float, list[float], float]:
+    """Per-rank GFLOP/s of ``fn`` (every rank runs it at once): median of ``repeat`` samples by wall
+    time, the samples, and the rate by CPU time (median)."""
     fn()
-    dt, _ = _timed(c, xp, fn)
+    dt, _, _ = _timed(c, xp, fn)
     reps = max(1, int(math.ceil(min_time / max(dt, 1e-6))))
     reps = int(c.bcast_obj(reps))
 
@@ -638,9 +651,9 @@ def _gemm_rate(c: Any, xp: Any, fn: Callable[[], None], flops: float, repeat: in
         for _ in range(reps):
             fn()
 
-    times, _ = _repeat(c, xp, many, 0, repeat)
+    times, cpus, _ = _repeat(c, xp, many, 0, repeat)
     med = statistics.median(times)
-    return flops * reps / med / 1e9, times
+    return flops * reps / med / 1e9, times, flops * reps / statistics.median(cpus) / 1e9
 
 
 def _gemm_square_task(c: Any, xp: Any, t: dict, cfg: dict) -> list[dict]:
@@ -649,8 +662,9 @@ def _gemm_square_task(c: Any, xp: Any, t: dict, cfg: dict) -> list[dict]:
     a = backend.to_device(rng.standard_normal((size, size)).astype(dt), xp)
     b = backend.to_device(rng.standard_normal((size, size)).astype(dt), xp)
     out = xp.empty((size, size), dtype=dt)
-    rate, times = _gemm_rate(c, xp, lambda: xp.matmul(a, b, out=out), 2.0 * size**3, int(t.get("repeat", 5)))
-    return [dict(t, P=c.size, status="ok", gflops_per_rank=rate, times_s=times,
+    rate, times, rate_cpu = _gemm_rate(c, xp, lambda: xp.matmul(a, b, out=out), 2.0 * size**3,
+                                       int(t.get("repeat", 5)))
+    return [dict(t, P=c.size, status="ok", gflops_per_rank=rate, times_s=times, gflops_per_rank_cpu=rate_cpu,
                  shape=f"({size}x{size})({size}x{size})")]
 
 
@@ -690,15 +704,17 @@ def _gemm_tile_task(c: Any, xp: Any, t: dict, cfg: dict, P: int | None = None) -
     pairs = B * Hkv * R * Tk
     repeat = int(t.get("repeat", 5))
     f_fwd, f_bwd = 2.0 * pairs * (E + Ev), 2.0 * pairs * (3 * E + 2 * Ev)
-    r_fwd, times_f = _gemm_rate(c, xp, fwd, f_fwd, repeat)
-    r_bwd, times_b = _gemm_rate(c, xp, bwd, f_bwd, repeat)
+    r_fwd, times_f, c_fwd = _gemm_rate(c, xp, fwd, f_fwd, repeat)
+    r_bwd, times_b, c_bwd = _gemm_rate(c, xp, bwd, f_bwd, repeat)
     r_both = (f_fwd + f_bwd) / (f_fwd / r_fwd + f_bwd / r_bwd)
+    c_both = (f_fwd + f_bwd) / (f_fwd / c_fwd + f_bwd / c_bwd)
     shape = f"B*Hkv={B * Hkv}: ({R}x{E})({E}x{Tk}), ({R}x{Tk})({Tk}x{Ev})"
     return [dict(t, P=P, status="ok", **{"pass": "fwd"}, gflops_per_rank=r_fwd, times_s=times_f,
-                 shape=shape),
+                 gflops_per_rank_cpu=c_fwd, shape=shape),
             dict(t, P=P, status="ok", **{"pass": "bwd"}, gflops_per_rank=r_bwd, times_s=times_b,
-                 shape=shape + " + 3 backward GEMMs"),
-            dict(t, P=P, status="ok", **{"pass": "fwdbwd"}, gflops_per_rank=r_both, shape=shape)]
+                 gflops_per_rank_cpu=c_bwd, shape=shape + " + 3 backward GEMMs"),
+            dict(t, P=P, status="ok", **{"pass": "fwdbwd"}, gflops_per_rank=r_both, gflops_per_rank_cpu=c_both,
+                 shape=shape + " + 3 backward GEMMs")]
 
 
 def _product_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> list[dict]:
@@ -717,12 +733,12 @@ def _product_task(c: Any, xp: Any, t: dict, cfg: dict, mem: MemoryMeter) -> list
     warmup, repeat = int(t.get("warmup", 1)), int(t.get("repeat", 5))
     counter = ByteCounter()
     with counter.active():
-        times, _ = _repeat(c, xp, lambda: fn(a, b, c, layout=t["layout"], block_size=t.get("block")),
+        times, cpus, _ = _repeat(c, xp, lambda: fn(a, b, c, layout=t["layout"], block_size=t.get("block")),
                            warmup, repeat)
     sent = counter.sent / (warmup + repeat)
     del a, b
     x, y = _draw(xp, rng, shapes[2], dt), _draw(xp, rng, shapes[3], dt)
-    local, _ = _repeat(c, xp, lambda: xp.matmul(x, y), warmup, repeat)
+    local, _, _ = _repeat(c, xp, lambda: xp.matmul(x, y), warmup, repeat)
     flops = 2.0 * N * M * d
     med, med_local = statistics.median(times), statistics.median(local)
     return [dict(t, P=c.size, status="ok", times_s=times, time_s=med, flops=flops,
