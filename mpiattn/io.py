@@ -514,17 +514,26 @@ def _write_serial(c: Any, tmp: str, meta: dict, datasets: Mapping[str, Rows],
 
 def _write_parallel(c: Any, tmp: str, meta: dict, datasets: Mapping[str, Rows],
                     segs_of: Callable[[Rows], list], attrs: Mapping[str, Any]) -> None:
-    """All ranks open the file with the mpio driver; collective creates and writes."""
+    """All ranks open the file with the mpio driver; collective creates and writes.
+
+    A rank failing inside these collective calls would leave the others
+    waiting in HDF5 forever, and closing the file is itself collective, so a
+    failing rank removes the temporary file and aborts the job without
+    closing it (with one rank the error is raised normally).
+    """
     import h5py
 
-    with c.abort_on_error():  # a rank failing inside collective HDF5 calls would hang the rest
+    with c.abort_on_error():
+        f = h5py.File(tmp, "w-", driver="mpio", comm=c.mpi)
         try:
-            with h5py.File(tmp, "w-", driver="mpio", comm=c.mpi) as f:
-                _create(f, meta, attrs)
-                _write_slabs(f, datasets, segs_of, collective=True)
+            _create(f, meta, attrs)
+            _write_slabs(f, datasets, segs_of, collective=True)
         except BaseException:
-            _remove(tmp)  # the job is about to be aborted: leave no partial file behind
+            _remove(tmp)  # leave no partial file behind; no close (collective)
+            if c.size == 1:
+                f.close()
             raise
+        f.close()
 
 
 def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,

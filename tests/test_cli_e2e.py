@@ -122,3 +122,30 @@ def test_a_failure_on_one_rank_ends_the_job(serial_only, tmp_path):
     p = launch(3, cwd=tmp_path, script=script)
     assert p.returncode != 0
     assert "simulated bug on rank 1" in p.stderr and "aborting" in p.stderr
+
+
+def test_failed_write_leaves_previous_output(serial_only, tmp_path):
+    """One rank fails part-way through writing: serial HDF5 raises on every rank, parallel HDF5
+    aborts the job; either way the old output survives and no temporary file is left."""
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from mpi4py import MPI
+        from mpiattn import cli, io
+
+        assert cli.main(["make-data", "in.h5", "--seq", "40", "--dim", "4", "--with-dout", "-q"]) == 0
+        assert cli.main(["run", "in.h5", "-o", "out.h5", "-q"]) == 0
+        real = io._write_slabs
+        def failing(f, datasets, segs_of, collective):
+            if MPI.COMM_WORLD.Get_rank() == 1:
+                real(f, dict(list(datasets.items())[:1]), segs_of, collective)
+                raise OSError("simulated: disk full on rank 1")
+            real(f, datasets, segs_of, collective)
+        io._write_slabs = failing
+        sys.exit(cli.main(["run", "in.h5", "-o", "out.h5", "--force", "--no-backward"]))
+    """))
+    p = launch(2, cwd=tmp_path, script=script)
+    assert p.returncode != 0
+    assert "simulated: disk full on rank 1" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["fail.py", "in.h5", "out.h5"]
+    assert "dq" in _whole(tmp_path / "out.h5")[0]  # still the first run's output

@@ -247,6 +247,8 @@ def test_write_rejects_inconsistent_rows(comm, shared_dir):
 
 @pytest.mark.parametrize("where", ["last-rank-mid-write", "rank0-create"])
 def test_failed_write_keeps_previous_output(comm, shared_dir, monkeypatch, where):
+    if io.parallel_hdf5() and comm.size > 1:
+        pytest.skip("with parallel HDF5 a failed write aborts the job (test_cli_e2e checks that)")
     path = os.path.join(shared_dir, "out.h5")
     _write_spec(comm, path, SPEC)
     before, _ = _whole(path)
