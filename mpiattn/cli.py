@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -38,8 +39,9 @@ EXAMPLE_SPEC = dict(batch=1, heads=4, kv_heads=2, seq=1024, kv_seq=1024, dim=16,
                     dtype="float32", with_dout=True, padding=0.1, seed=2024)
 #: Relative tolerance of ``--check`` per compute dtype (max error / max |reference|).
 CHECK_TOL = {"float16": 3e-2, "float32": 1e-4, "float64": 1e-10}
-#: Optional subcommands provided by other modules: name -> module with add_arguments/run.
-PLUGINS = {"bench": "mpiattn.bench"}
+#: Optional subcommands of other modules: name -> (module with add_arguments(parser) and
+#: run(args) -> exit code, one-line help). The module is imported only when its command runs.
+PLUGINS = {"bench": ("mpiattn.bench", "benchmarks: mpiattn against GEMM and peers (see bench --help)")}
 
 
 class UsageError(Exception):
@@ -159,8 +161,15 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mpiattn`` argument parser (every rank builds the same one)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mpiattn`` argument parser (every rank builds the same one).
+
+    Parameters
+    ----------
+    command : str, optional
+        The command about to be parsed: a plugin's full options (and its
+        import) are added only for its own command.
+    """
     parser = _Parser(prog="mpiattn", description="Exact attention over sequences sharded across "
                      "MPI ranks. Without a command: run the bundled example (forward + backward, "
                      "causal) and check it against a float64 reference.")
@@ -218,10 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="versions, ranks, hosts, GPUs, CUDA-aware MPI, parallel HDF5")
 
-    for name, module in PLUGINS.items():
-        if importlib.util.find_spec(module) is not None:
-            plugin = importlib.import_module(module)
-            plugin.add_arguments(sub.add_parser(name, help=(plugin.__doc__ or "").split("\n")[0]))
+    for name, (module, text) in PLUGINS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        p = sub.add_parser(name, help=text)
+        if command == name:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -251,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
             argv = ["example", *argv]  # options without a command belong to the example
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0]).parse_args(argv)
         con.quiet = bool(getattr(args, "quiet", False))
         con.tty = con.tty and not con.quiet
     except UsageError as exc:
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     try:
         if args.command in PLUGINS:
-            return int(importlib.import_module(PLUGINS[args.command]).run(args) or 0)
+            return int(importlib.import_module(PLUGINS[args.command][0]).run(args) or 0)
         return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
                 "info": cmd_info}[args.command](args, con)
     except UsageError as exc:
@@ -305,10 +316,13 @@ def _hosts(c: Any) -> list[str]:
     return c.allgather_obj(MPI.Get_processor_name())
 
 
+_NO_CUPY = "none (cupy not installed)"
+
+
 def _gpu_status() -> tuple[bool, str]:
     """(usable, description) of this rank's GPUs, never raising."""
     if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
-        return False, "none (cupy not installed)"
+        return False, _NO_CUPY
     if importlib.util.find_spec("mpiattn.gpu") is None:
         return False, "none (this mpiattn has no GPU path)"
     from . import gpu
@@ -327,8 +341,9 @@ def _select_device(c: Any, device: str, transport: str | None) -> tuple[Any, str
     missing = [(r, why) for r, (ok, why) in enumerate(status) if not ok]
     if missing:
         where = f"rank {missing[0][0]}: {missing[0][1]}"
-        if device == "auto":
-            return np, f" (--device auto: no usable GPU on {where})"
+        if device == "auto":  # silent on CPU-only installs, a note where CuPy is there but unusable
+            quiet = all(why == _NO_CUPY for _, why in missing)
+            return np, "" if quiet else f" (--device auto: no usable GPU on {where})"
         with _agreed():  # every rank knows (allgathered): all raise, no communication
             raise RuntimeError(f"--device gpu: no usable GPU on {where}")
     with _agreed():
@@ -339,20 +354,27 @@ def _select_device(c: Any, device: str, transport: str | None) -> tuple[Any, str
     return cupy, ""
 
 
-def _effective_layout(layout: str, causal: bool) -> str:
-    if layout != "auto":
-        return layout
-    return "zigzag" if causal else "contiguous"
+@dataclass
+class _Settings:
+    """The effective settings of one run (identical on every rank)."""
 
+    causal: bool
+    scale: float | None
+    layout: str
+    strategy: str
+    block_size: int | None
+    xp: Any
+    device_note: str = ""
 
-def _resolved_strategy(strategy: str, inp: Any, block: int | None, P: int) -> str:
-    if strategy != "auto":
-        return strategy
-    from .strategies import DEFAULT_BLOCK, choose_strategy
+    def strategy_used(self, inp: Any, P: int) -> str:
+        """What ``auto`` resolves to (the attention module's cost model), else the strategy."""
+        if self.strategy != "auto":
+            return self.strategy
+        from .strategies import DEFAULT_BLOCK, choose_strategy
 
-    B, H, _, E = inp.q.shape
-    Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
-    return "auto -> " + choose_strategy(inp.n, inp.m, H, Hkv, E, Ev, P, block or DEFAULT_BLOCK)
+        _, H, _, E = inp.q.shape
+        Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
+        return choose_strategy(inp.n, inp.m, H, Hkv, E, Ev, P, self.block_size or DEFAULT_BLOCK)
 
 
 class _Timer:
@@ -365,7 +387,7 @@ class _Timer:
     def phase(self, name: str) -> Iterator[None]:
         self.c.barrier()
         t0 = time.perf_counter()
-        yield
+        yield  # on an error (raised alike on every rank) the closing barrier is skipped everywhere
         self.c.barrier()
         self.times[name] = time.perf_counter() - t0
 
@@ -373,26 +395,26 @@ class _Timer:
         return ", ".join(f"{k} {v:.3g} s" for k, v in self.times.items())
 
 
-def _compute(c: Any, con: Console, args: Any, inp: Any, xp: Any, causal: bool, scale: float | None,
-             layout: str, timer: _Timer) -> dict[str, np.ndarray]:
-    """Forward (and backward when the input has dout): this rank's results as NumPy arrays."""
+def _compute(c: Any, con: Console, inp: Any, st: _Settings, backward: bool,
+             timer: _Timer) -> dict[str, np.ndarray]:
+    """Forward (and backward): this rank's results as NumPy arrays."""
     from . import attention, attention_backward
     from .backend import to_host
 
-    if xp is np:
+    if st.xp is np:
         move = np.asarray
     else:
         from .gpu import upload as move  # host slab -> device through a pinned buffer
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
-    kw = dict(causal=causal, scale=scale, key_padding_mask=mask, layout=layout,
-              strategy=args.strategy, block_size=args.block_size,
-              check_finite=not getattr(args, "allow_nonfinite", False))
+    kw = dict(causal=st.causal, scale=st.scale, key_padding_mask=mask, layout=st.layout,
+              strategy=st.strategy, block_size=st.block_size,
+              check_finite=False)  # read_input checked them (unless --allow-nonfinite)
     with _agreed():
         with timer.phase("forward"):
             out, lse = attention(q, k, v, c, progress=con.progress("forward"), **kw)
         results = {"out": out, "lse": lse}
-        if dout is not None and not getattr(args, "no_backward", False):
+        if backward:
             with timer.phase("backward"):
                 dq, dk, dv = attention_backward(dout, q, k, v, out, lse, c,
                                                 progress=con.progress("backward"), **kw)
@@ -417,12 +439,12 @@ def _write_results(c: Any, path: str, results: dict[str, np.ndarray], inp: Any, 
         io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force)
 
 
-def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale: float | None,
-           layout: str, limit_gib: float) -> tuple[str, dict[str, float] | None]:
+def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: _Settings,
+           limit_gib: float) -> str:
     """Gather everything to rank 0 and compare with :func:`mpiattn.reference.reference`.
 
-    Returns ``(verdict, errors)``; raises RuntimeError on every rank when an
-    error exceeds the tolerance of the compute dtype.
+    Returns the verdict line; raises RuntimeError on every rank when an error
+    exceeds the tolerance of the compute dtype (:data:`CHECK_TOL`).
     """
     from .layouts import gather
     from .reference import reference, reference_nbytes
@@ -432,10 +454,10 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale
     need = reference_nbytes((B, H, inp.n, E), (B, Hkv, inp.m, E), (B, Hkv, inp.m, Ev))
     if need > limit_gib * 2**30:
         return (f"skipped: the reference would need {need / 2**30:.1f} GiB on rank 0 "
-                f"(limit {limit_gib:g} GiB, --check-limit-gib)"), None
+                f"(limit {limit_gib:g} GiB, --check-limit-gib)")
     with _agreed():
         g = {name: gather(x, c, axis=-1 if name in ("lse", "key_padding_mask") else -2,
-                          layout=layout)
+                          layout=st.layout)
              for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
                              ("key_padding_mask", inp.key_padding_mask), *results.items()]
              if x is not None}
@@ -444,16 +466,15 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, causal: bool, scale
     errors = None
     if c.rank == 0:
         ref = reference(g["q"], g["k"], g["v"], g.get("dout") if "dq" in results else None,
-                        causal=causal, scale=scale, key_padding_mask=g.get("key_padding_mask"))
+                        causal=st.causal, scale=st.scale, key_padding_mask=g.get("key_padding_mask"))
         errors = {name: _rel_error(g[name], getattr(ref, name)) for name in results}
     errors = c.bcast_obj(errors)
-    bad = {k: e for k, e in errors.items() if not e <= tol}
     text = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
-    with _agreed():  # errors were broadcast: every rank decides alike
-        if bad:
+    with _agreed():  # the errors were broadcast: every rank decides alike
+        if any(not e <= tol for e in errors.values()):
             raise RuntimeError(f"check failed: relative errors {text} exceed the {dtype} "
                                f"tolerance {tol:g}")
-    return f"max relative error vs float64 reference: {text} (tolerance {tol:g}) OK", errors
+    return f"max relative error vs float64 reference: {text} (tolerance {tol:g}) OK"
 
 
 def _rel_error(x: np.ndarray, ref: np.ndarray) -> float:
@@ -467,61 +488,73 @@ def _rel_error(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(x[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
 
 
+def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: Any,
+            st: _Settings, backward: bool) -> None:
+    """The report's first lines: what runs, on what, how."""
+    shape = lambda x, n: (x.shape[0], x.shape[1], n, x.shape[3])  # noqa: E731 - global shape
+    extras = [n for n in ("dout", "key_padding_mask") if getattr(inp, n) is not None]
+    scale = st.scale if st.scale is not None else f"1/sqrt({inp.q.shape[3]})"
+    strategy = st.strategy if st.strategy != "auto" else f"auto -> {st.strategy_used(inp, c.size)}"
+    con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
+            f"{'causal' if st.causal else 'non-causal'}, {c.size} rank(s) on {len(set(hosts))} host(s)")
+    con.say(f"  input    {path}")
+    con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
+            + (f" + {', '.join(extras)}" if extras else ""))
+    con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout}, strategy {strategy}, "
+            f"scale {scale}{st.device_note}")
+
+
+def _output_attrs(c: Any, inp: Any, st: _Settings, hosts: list[str], timer: _Timer) -> dict:
+    """Root attributes of the output file (see docs/file-format.md)."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
+            "strategy": st.strategy, "strategy_used": st.strategy_used(inp, c.size),
+            "layout": st.layout, "dtype": str(inp.q.dtype), "device": st.xp.__name__,
+            "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
+            "causal": st.causal,
+            "scale": st.scale if st.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
+            "block_size": st.block_size, "input_path": inp.info["path"],
+            "input_size": inp.info["size"], "input_mtime": inp.info["mtime"], "created": now,
+            "command": " ".join(["mpiattn", *sys.argv[1:]]),
+            **{f"time_{k}_s": v for k, v in timer.times.items()}}
+
+
 def _run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bool,
               extra_attrs: dict, title: str) -> int:
     """The body shared by ``run`` and ``example``: read, compute, write, check, report."""
     from . import io
 
     timer = _Timer(c)
-    with _agreed():
-        if os.path.exists(output) and os.path.exists(path) and os.path.samefile(path, output):
+    with _local(c):  # rank 0 decides
+        if c.rank == 0 and os.path.exists(output) and os.path.exists(path) \
+                and os.path.samefile(path, output):
             raise ValueError(f"the output {output} is the input file")
-        io.check_output(output, c, force=force)
+    with _agreed():
+        io.check_output(output, c, force=force)  # before any computing
         attrs = io.read_attributes(path, c) or {}
-    causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal", False))
-    layout = _effective_layout(args.layout, causal)
+    causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal"))
+    layout = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
+    allow_nonfinite = getattr(args, "allow_nonfinite", False)
     with _agreed(), timer.phase("read"):
         try:
             inp = io.read_input(path, c, layout=layout, dtype=getattr(args, "dtype", None),
-                                check_finite=not getattr(args, "allow_nonfinite", False))
+                                check_finite=not allow_nonfinite)
         except io.NonFiniteError as exc:
             raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
-    scale = getattr(args, "scale", None)
-    scale = inp.scale if scale is None else scale
-    hosts = _hosts(c)
-    strategy = _resolved_strategy(args.strategy, inp, args.block_size, c.size)
+    xp, note = _select_device(c, args.device, args.gpu_transport)
+    scale = inp.scale if getattr(args, "scale", None) is None else args.scale
+    st = _Settings(causal, scale, layout, args.strategy, args.block_size, xp, note)
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
-    xp, device_note = _select_device(c, args.device, args.gpu_transport)
-    con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
-            f"{'causal' if causal else 'non-causal'}, {c.size} rank(s) on {len(set(hosts))} host(s)")
-    con.say(f"  input    {path}")
-    shapes = ", ".join(f"{n} {s}" for n, s in [
-        ("q", (inp.q.shape[0], inp.q.shape[1], inp.n, inp.q.shape[3])),
-        ("k", (inp.k.shape[0], inp.k.shape[1], inp.m, inp.k.shape[3])),
-        ("v", (inp.v.shape[0], inp.v.shape[1], inp.m, inp.v.shape[3]))])
-    extras = [n for n in ("dout", "key_padding_mask") if getattr(inp, n) is not None]
-    con.say(f"  shapes   {shapes}{' + ' + ', '.join(extras) if extras else ''}")
-    con.say(f"  compute  {xp.__name__}, {inp.q.dtype}, layout {layout}, strategy {strategy}, "
-            f"scale {scale if scale is not None else f'1/sqrt({inp.q.shape[3]})'}{device_note}")
-    results = _compute(c, con, args, inp, xp, causal, scale, layout, timer)
-    attrs_out = {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
-                 "strategy": args.strategy, "strategy_used": strategy.split(" -> ")[-1],
-                 "layout": layout, "dtype": str(inp.q.dtype), "device": xp.__name__,
-                 "gpu_transport": None if xp is np else getattr(c, "transport", None),
-                 "causal": causal, "scale": scale if scale is not None else 1 / math.sqrt(inp.q.shape[3]),
-                 "block_size": args.block_size,
-                 "input_path": inp.info["path"], "input_size": inp.info["size"],
-                 "input_mtime": inp.info["mtime"],
-                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "command": " ".join(["mpiattn", *sys.argv[1:]]) if sys.argv else "mpiattn",
-                 **{f"time_{k}_s": v for k, v in timer.times.items()}, **extra_attrs}
+    hosts = _hosts(c)
+    _header(con, title, c, hosts, path, inp, st, backward)
+    results = _compute(c, con, inp, st, backward, timer)
     with timer.phase("write"):
+        attrs_out = {**_output_attrs(c, inp, st, hosts, timer), **extra_attrs}
         _write_results(c, output, results, inp, layout, attrs_out, force)
     verdict = None
     if getattr(args, "check", True):
         with timer.phase("check"):
-            verdict, _ = _check(c, results, inp, causal, scale, layout,
-                                getattr(args, "check_limit_gib", 4.0))
+            verdict = _check(c, results, inp, st, getattr(args, "check_limit_gib", 4.0))
     con.say(f"  time     {timer.summary()}")
     if verdict:
         con.say(f"  check    {verdict}")
