@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -603,11 +604,17 @@ def cmd_example(args: Any, con: Console) -> int:
 
 
 def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
-    """Bundled file missing (an unusual install): regenerate it next to the output first."""
-    regen = os.path.join(os.path.dirname(os.path.abspath(output)), "mpiattn-example-in.h5")
-    con.say(f"bundled example input missing; regenerating it as {regen}")
-    _make_data(c, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=True)
-    return _run_file(c, con, args, regen, output, True, {EXAMPLE_ATTR: 1}, "example")
+    """Bundled file missing (an unusual install): regenerate it (make-data), run, delete it."""
+    directory = os.path.dirname(os.path.abspath(output))
+    regen = c.bcast_obj(os.path.join(directory, f".mpiattn-example-in-{uuid.uuid4().hex[:8]}.h5"))
+    con.say("bundled example input missing: regenerating it with make-data (seed "
+            f"{EXAMPLE_SPEC['seed']})")
+    try:
+        _make_data(c, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=False)
+        return _run_file(c, con, args, regen, output, True, {EXAMPLE_ATTR: 1}, "example")
+    finally:  # every rank has finished reading it once _run_file returns or raises alike
+        if c.rank == 0 and os.path.exists(regen):
+            os.remove(regen)
 
 
 def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | None,

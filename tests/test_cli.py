@@ -285,6 +285,19 @@ def test_example(comm, capsys, shared_dir, monkeypatch):
     assert list(_whole(cli.EXAMPLE_OUTPUT)[0]) == ["precious"]
 
 
+def test_example_without_bundled_file_regenerates_it(comm, capsys, shared_dir, monkeypatch):
+    import contextlib
+
+    monkeypatch.chdir(shared_dir)
+    monkeypatch.setattr(cli, "_example_input", lambda: contextlib.nullcontext(None))
+    code, text, err = run(comm, capsys, "--strategy", "ring")
+    assert code == 0, err
+    assert comm.rank or ("regenerating" in text and "OK" in text)
+    assert os.listdir(shared_dir) == [cli.EXAMPLE_OUTPUT]  # the regenerated input is gone again
+    bundled = os.path.join(os.path.dirname(cli.__file__), "data", "example.h5")
+    _assert_matches_reference(bundled, cli.EXAMPLE_OUTPUT, causal=True)  # same data as bundled
+
+
 def test_bundled_example_is_reproducible():
     path = os.path.join(os.path.dirname(cli.__file__), "data", "example.h5")
     assert os.path.getsize(path) <= 1_000_000
