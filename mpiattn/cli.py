@@ -137,6 +137,13 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _finite_float(text)
     if not 0.0 <= value < 1.0:
@@ -198,7 +205,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                      help="skip the gradients even when the input has dout")
     run.add_argument("--check", action="store_true",
                      help="compare with a float64 single-process reference on gathered data")
-    run.add_argument("--check-limit-gib", type=_finite_float, default=4.0, metavar="GIB",
+    run.add_argument("--check-limit-gib", type=_positive_float, default=4.0, metavar="GIB",
                      help="skip --check when the reference would need more memory on rank 0 "
                           "(default 4)")
     run.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")

@@ -225,7 +225,8 @@ USAGE = [["run"], ["run", "in.h5"], ["run", "in.h5", "-o", "o.h5", "--block-size
          ["make-data", "o.h5", "--padding", "1.5"], ["make-data", "o.h5", "--heads", "3",
                                                      "--kv-heads", "2"],
          ["make-data", "o.h5", "--seq", "-4"], ["frobnicate"], ["--bogus"],
-         ["run", "in.h5", "-o", "o.h5", "--causal", "--no-causal"]]
+         ["run", "in.h5", "-o", "o.h5", "--causal", "--no-causal"],
+         ["run", "in.h5", "-o", "o.h5", "--check-limit-gib", "-1"]]
 
 
 @pytest.mark.parametrize("argv", USAGE, ids=[" ".join(a) for a in USAGE])
