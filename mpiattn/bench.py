@@ -581,8 +581,11 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
 
 
 def _launched_with_ranks() -> bool:
-    """True under mpiexec/srun with several ranks (read from the launcher's environment, MPI untouched)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"):
+    """True when this process is one of several MPI ranks (without initialising MPI to find out)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_size() > 1
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"):
         v = os.environ.get(var)
         if v and v.isdigit() and int(v) > 1:
             return True

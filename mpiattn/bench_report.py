@@ -317,12 +317,13 @@ def _scaling_lines(records: list[dict]) -> list[str]:
         return []
     lines = ["", "scaling (strong: same N; weak: N proportional to P, efficiency = per-rank GFLOP/s vs 1 rank)"]
     rows = []
-    for r in sorted(rec, key=lambda r: (r["kind"], r["impl"], r["pass"], r["N"], r["P"])):
+    for r in sorted(rec, key=lambda r: (r["kind"], r["impl"], r["pass"], bool(r.get("causal")), r["N"], r["P"])):
+        shape = f"H={r.get('H')} E={r.get('E')} {r.get('dtype')}{' causal ' + str(r.get('layout')) if r.get('causal') else ''}"
         rows.append([r["kind"].ljust(6), r["impl"].ljust(10), r["pass"].ljust(6), str(r["N"]).rjust(7),
                      str(r["P"]).rjust(2), _fmt(r["time_1_s"], ".3f", 8), _fmt(r["time_P_s"], ".3f", 8),
-                     _fmt(r.get("speedup"), ".2f", 7), _fmt(100 * r["efficiency"], ".0f", 5)])
+                     _fmt(r.get("speedup"), ".2f", 7), _fmt(100 * r["efficiency"], ".0f", 5), "  " + shape])
     return lines + _rows([("kind", 6), ("impl", 10), ("pass", 6), ("N", 7), ("P", 2), ("t1 s", 8), ("tP s", 8),
-                          ("speedup", 7), ("eff%", 5)], rows)
+                          ("speedup", 7), ("eff%", 5), ("  problem", 9)], rows)
 
 
 def _memory_lines(records: list[dict]) -> list[str]:
