@@ -22,6 +22,16 @@ Dao et al. 2022/2023)::
     l   = a l + rowsum P;    O = a O + P V_c;  m = m'
     end: O = O / l;  lse = m + log l      (no visible key: O = 0, lse = -inf)
 
+The result does not depend on which reference ``m`` is used, as long as
+``exp(S - m)`` neither overflows nor loses the row's largest terms. So the
+reference moves only when a tile's row maximum exceeds it by more than
+``TAU`` (or when a row sees its first key), a "lazy rescale" as in
+FlashAttention-4: probabilities stay ``<= exp(TAU)``, ``l >= 1`` once a row has
+seen a key, and most tiles need no rescaling. The shift itself is folded into
+the ``qs K^T`` GEMM (an extra column ``-m`` on the queries, ``1`` on the keys),
+and ``rowsum P`` is a GEMV with a ones vector, so a tile costs two GEMMs and
+three passes (max, exp, and the rare shift) instead of five.
+
 Backward, recomputing ``P`` from ``lse``::
 
     D = rowsum(dO * O);  P = exp(qs K_c^T - lse)
@@ -29,14 +39,17 @@ Backward, recomputing ``P`` from ``lse``::
     dQ += s dS K_c;  dK_c += dS^T qs
 
 (``qs`` already carries ``s``, so ``dK_c`` needs no extra factor and ``dQ``
-is multiplied by ``s`` once at the end.)
+is multiplied by ``s`` once at the end; ``- lse`` and ``- D`` are folded into
+their GEMMs by an extra column, as in the forward pass.)
 
-On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the elementwise steps run as fused
-kernels from :mod:`mpiattn.gpu_kernels` (same arithmetic, fewer passes).
+On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the forward elementwise steps run
+as fused kernels from :mod:`mpiattn.gpu_kernels` (exact running maximum,
+fewer passes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,23 +58,32 @@ import numpy as np
 from . import backend
 from . import gpu_kernels as gk
 
-__all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "forward_block", "finalize",
-           "backward_block", "padding_bias", "DEFAULT_TILE"]
+__all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
+           "forward_block", "finalize", "backward_block", "padding_bias", "DEFAULT_TILE", "TAU"]
 
 #: Default tile edge (rows of queries x rows of keys) for the score block.
 DEFAULT_TILE = 512
 
+#: Lazy-rescale threshold (natural-log units): the running reference of a row
+#: moves only when a tile's scores exceed it by more than this.
+TAU = 8.0
 
-def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any) -> Any:
-    """``(B, H, n, F)`` -> ``(B, Hkv, n*G, F)`` in ``dtype``, times ``scale`` if given."""
+
+def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any, pad: int = 0) -> Any:
+    """``(B, H, n, F)`` -> ``(B, Hkv, n*G, F + pad)`` in ``dtype``, times ``scale`` if given.
+
+    The ``pad`` extra columns are left uninitialised (the kernels use them to
+    fold a per-row shift into a GEMM).
+    """
     xp = backend.array_module(q)
     B, H, n, F = q.shape
     G = H // hkv
-    out = xp.empty((B, hkv, n, G, F), dtype=dtype)
-    out[...] = q.reshape(B, hkv, G, n, F).transpose(0, 1, 3, 2, 4)
+    out = xp.empty((B, hkv, n, G, F + pad), dtype=dtype)
+    body = out[..., :F] if pad else out
+    body[...] = q.reshape(B, hkv, G, n, F).transpose(0, 1, 3, 2, 4)
     if scale is not None:
-        out *= scale
-    return out.reshape(B, hkv, n * G, F)
+        body *= scale
+    return out.reshape(B, hkv, n * G, F + pad)
 
 
 def unfold_rows(x: Any, h: int) -> Any:
@@ -97,37 +119,54 @@ class Workspace:
         self._bufs: dict[str, Any] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)
         buf = self._bufs.get(name)
         if buf is None or buf.size < size or buf.dtype != dtype:
             buf = self.xp.empty(max(size, 1), dtype=dtype)
             self._bufs[name] = buf
         return buf[:size].reshape(shape)
 
+    def transposed(self, name: str, x: Any, k0: int, k1: int, dtype: Any) -> Any:
+        """``[x[k0:k1]^T ; 1]``: ``(B, Hkv, F+1, k1-k0)`` in ``dtype`` (the ones row carries a GEMM shift)."""
+        F = x.shape[-1]
+        xt = self.get(name, x.shape[:2] + (F + 1, k1 - k0), dtype)
+        xt[..., :F, :] = x[..., k0:k1, :].swapaxes(-1, -2)
+        xt[..., F, :] = 1
+        return xt
+
 
 @dataclass
 class ForwardState:
-    """Running statistics of the online softmax for folded queries.
+    """Queries and running statistics of the online softmax (folded rows).
 
     Attributes
     ----------
-    m : (B, Hkv, n*G) running row maximum (-inf before any visible key)
-    l : (B, Hkv, n*G) running sum of ``exp(S - m)``
-    o : (B, Hkv, n*G, Ev) running ``sum exp(S - m) V`` (unnormalised)
-    ws : Workspace for the score tiles
+    qa : (B, Hkv, n*G, E+1)
+        Folded, scaled queries; the last column holds each tile's shift.
+    m : (B, Hkv, n*G)
+        Running reference (-inf before any visible key): at most ``TAU``
+        below the running row maximum, never above it.
+    l : (B, Hkv, n*G)
+        Running sum of ``exp(S - m)`` (>= 1 once a key was seen).
+    o : (B, Hkv, n*G, Ev)
+        Running ``sum exp(S - m) V`` (unnormalised).
+    ws : Workspace
     """
 
+    qa: Any
     m: Any
     l: Any
     o: Any
     ws: Workspace
 
     @classmethod
-    def empty(cls, qs: Any, ev: int) -> "ForwardState":
-        xp = backend.array_module(qs)
-        lead = qs.shape[:-1]
-        return cls(xp.full(lead, -np.inf, dtype=qs.dtype), xp.zeros(lead, dtype=qs.dtype),
-                   xp.zeros(lead + (ev,), dtype=qs.dtype), Workspace(xp))
+    def start(cls, q: Any, hkv: int, scale: float, dtype: Any, ev: int) -> "ForwardState":
+        """Fold ``q`` ``(B, H, n, E)`` and set up an empty state."""
+        xp = backend.array_module(q)
+        qa = fold_queries(q, hkv, scale, dtype, pad=1)
+        lead = qa.shape[:-1]
+        return cls(qa, xp.full(lead, -np.inf, dtype=qa.dtype), xp.zeros(lead, dtype=qa.dtype),
+                   xp.zeros(lead + (ev,), dtype=qa.dtype), Workspace(xp))
 
 
 def _visibility(q_rows: np.ndarray, k_idx: np.ndarray, causal: bool) -> str:
@@ -152,7 +191,40 @@ def _tiles(n: int, t: int) -> range:
     return range(0, n, max(1, t))
 
 
-def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
+def _add_masks(xp: Any, S: Any, kb: Any, vis: str, q_rows: np.ndarray, group: int,
+               k_idx: np.ndarray) -> None:
+    if kb is not None:
+        S += kb
+    if vis == "some":
+        S += _causal_bias(xp, np.repeat(q_rows, group), k_idx, S.dtype)
+
+
+def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
+    """Move the reference of rows whose scores outgrew it (or that saw their first key).
+
+    ``S`` holds ``scores - c``, ``c`` the current reference (0 where it is
+    -inf), and ``r`` its row maxima; afterwards ``S`` holds ``scores - m``
+    for the updated reference ``m``, and the running sums are rescaled.
+    """
+    m = st.m[..., r0:r1]
+    need = (r > TAU) | (xp.isneginf(m) & ~xp.isneginf(r))
+    count = int(need.sum())
+    if count == 0:
+        return
+    d = xp.where(need, r, r.dtype.type(0))
+    if 3 * count >= need.size:
+        S -= d[..., None]
+    else:
+        S[need] -= d[need][:, None]
+    m_new = xp.where(xp.isneginf(m), m.dtype.type(0), m) + d
+    alpha = xp.ones_like(m)
+    alpha[need] = xp.exp(m[need] - m_new[need])
+    st.l[..., r0:r1] *= alpha
+    st.o[..., r0:r1, :] *= alpha[..., None]
+    m[need] = m_new[need]
+
+
+def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
                   k: Any, v: Any, k_idx: np.ndarray, bias: Any = None,
                   causal: bool = False, tile: int = DEFAULT_TILE) -> None:
     """Fold one block of keys/values into the running state (in place).
@@ -160,15 +232,13 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
     Parameters
     ----------
     st : ForwardState
-        Running statistics for ``qs``.
-    qs : (B, Hkv, n*G, E)
-        Folded, scaled queries (accumulation dtype).
+        Queries and running statistics (:meth:`ForwardState.start`).
     q_pos : (n,) int
         Global positions of the queries (any order).
     group : int
         ``G = H // Hkv``.
     k, v : (B, Hkv, k, E), (B, Hkv, k, Ev)
-        Key/value block (any float dtype; cast to ``qs.dtype`` per tile).
+        Key/value block (any float dtype; cast to the state's dtype per tile).
     k_idx : (k,) int
         Global positions of the keys (any order).
     bias : (B, 1, 1, k) or None
@@ -183,17 +253,18 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
     FLOPs: ``4 * B * H * n * k * E`` (E = Ev) for visible tiles; memory: one
     score tile of ``B * Hkv * tile*G * tile`` accumulation words.
     """
-    xp = backend.array_module(qs)
-    dt = qs.dtype
+    xp = backend.array_module(st.qa)
+    qa, ws = st.qa, st.ws
+    dt = qa.dtype
+    E = qa.shape[-1] - 1
     n = q_pos.size
-    lead = qs.shape[:2]
-    ws = st.ws
+    lead = qa.shape[:2]
     fused = gk.use_fused(xp)
+    ones = xp.ones(min(tile, max(k_idx.size, 1)), dtype=dt)
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
-        kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
+        kt = ws.transposed("kt", k, k0, k1, dt)
         vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
-        kT = kc.swapaxes(-1, -2)
         kb = None if bias is None else bias[..., k0:k1]
         for i0 in _tiles(n, tile):
             i1 = min(i0 + tile, n)
@@ -202,34 +273,22 @@ def forward_block(st: ForwardState, qs: Any, q_pos: np.ndarray, group: int,
                 continue
             r0, r1 = i0 * group, i1 * group
             rows = lead + (r1 - r0,)
-            S = xp.matmul(qs[..., r0:r1, :], kT, out=ws.get("S", rows + (k1 - k0,), dt))
-            if kb is not None:
-                S += kb
-            if vis == "some":
-                S += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
+            m = st.m[..., r0:r1]
             if fused:
-                alpha = gk.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
-                gk.rescale_add_(st.o[..., r0:r1, :], alpha,
-                                xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt)))
+                qa[..., r0:r1, E] = 0
+            else:  # S = scores - m (0 where m = -inf), straight from the GEMM
+                qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)
+            S = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("S", rows + (k1 - k0,), dt))
+            _add_masks(xp, S, kb, vis, q_pos[i0:i1], group, k_idx[k0:k1])
+            pv = ws.get("pv", rows + (vc.shape[-1],), dt)
+            if fused:
+                alpha = gk.softmax_step_(S, m, st.l[..., r0:r1])
+                gk.rescale_add_(st.o[..., r0:r1, :], alpha, xp.matmul(S, vc, out=pv))
                 continue
-            m_old = st.m[..., r0:r1]
-            m_new = S.max(axis=-1, out=ws.get("m_new", rows, dt))
-            xp.maximum(m_new, m_old, out=m_new)
-            shift = ws.get("shift", rows, dt)
-            shift[...] = m_new
-            shift[xp.isneginf(m_new)] = 0  # no visible key yet: exp(-inf - 0) = 0
-            S -= shift[..., None]
+            _rebase(xp, st, S, S.max(axis=-1, out=ws.get("r", rows, dt)), r0, r1)
             xp.exp(S, out=S)
-            alpha = ws.get("alpha", rows, dt)
-            xp.subtract(m_old, shift, out=alpha)
-            xp.exp(alpha, out=alpha)
-            l = st.l[..., r0:r1]
-            l *= alpha
-            l += S.sum(axis=-1, out=ws.get("rowsum", rows, dt))
-            o = st.o[..., r0:r1, :]
-            o *= alpha[..., None]
-            o += xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
-            m_old[...] = m_new
+            st.l[..., r0:r1] += xp.matmul(S, ones[:k1 - k0], out=ws.get("rowsum", rows, dt))
+            st.o[..., r0:r1, :] += xp.matmul(S, vc, out=pv)
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:
@@ -242,51 +301,72 @@ def finalize(st: ForwardState) -> tuple[Any, Any]:
     return o, lse
 
 
-def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group: int,
+@dataclass
+class BackwardInputs:
+    """Folded inputs of the backward pass, with the shift columns of its GEMMs.
+
+    Attributes
+    ----------
+    qa : (B, Hkv, n*G, E+1)
+        Scaled queries, last column ``-lse`` (a huge negative finite number
+        where ``lse = -inf``, so that such rows get probabilities 0).
+    doa : (B, Hkv, n*G, Ev+1)
+        Output gradient, last column ``-D`` with ``D = rowsum(dO * O)``.
+    ws : Workspace
+    """
+
+    qa: Any
+    doa: Any
+    ws: Workspace
+
+    @classmethod
+    def start(cls, q: Any, dout: Any, lse: Any, D: Any, hkv: int, scale: float,
+              dtype: Any) -> "BackwardInputs":
+        """Fold ``q (B,H,n,E)``, ``dout (B,H,n,Ev)``, ``lse, D (B,H,n)``."""
+        xp = backend.array_module(q)
+        dt = np.dtype(dtype)
+        qa = fold_queries(q, hkv, scale, dt, pad=1)
+        lse_f = fold_queries(lse[..., None], hkv, None, dt)[..., 0]
+        qa[..., -1] = xp.where(xp.isneginf(lse_f), dt.type(-np.finfo(dt).max / 4), -lse_f)
+        doa = fold_queries(dout, hkv, None, dt, pad=1)
+        doa[..., -1] = -fold_queries(D[..., None], hkv, None, dt)[..., 0]
+        return cls(qa, doa, Workspace(xp))
+
+
+def backward_block(bi: BackwardInputs, q_pos: np.ndarray, group: int,
                    k: Any, v: Any, k_idx: np.ndarray, dq: Any, dk: Any, dv: Any,
-                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE,
-                   ws: Workspace | None = None) -> None:
+                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE) -> None:
     """Accumulate the gradients of one key/value block (in place).
 
     Parameters
     ----------
-    qs : (B, Hkv, n*G, E)
-        Folded, scaled queries.
-    do : (B, Hkv, n*G, Ev)
-        Folded output gradient (accumulation dtype).
-    lse : (B, Hkv, n*G)
-        Folded log-sum-exp from the forward pass, with ``+inf`` in rows that
-        saw no key (so that their probabilities are exactly zero).
-    D : (B, Hkv, n*G)
-        ``rowsum(dO * O)``.
+    bi : BackwardInputs
+        Folded queries, output gradient, ``lse`` and ``D``.
     q_pos, group, k, v, k_idx, bias, causal, tile
         As in :func:`forward_block`.
     dq : (B, Hkv, n*G, E)
         Accumulates ``dS K`` (multiply by the scale once at the end).
     dk, dv : (B, Hkv, k, E), (B, Hkv, k, Ev)
         Accumulate ``dS^T qs`` and ``P^T dO`` for this block.
-    ws : Workspace, optional
-        Scratch buffers to reuse across calls.
 
     Notes
     -----
     FLOPs: ``10 * B * H * n * k * E`` for visible tiles (five GEMMs).
     """
-    xp = backend.array_module(qs)
-    ws = Workspace(xp) if ws is None else ws
-    dt = qs.dtype
+    xp = backend.array_module(bi.qa)
+    qa, doa, ws = bi.qa, bi.doa, bi.ws
+    dt = qa.dtype
     n = q_pos.size
-    lead = qs.shape[:2]
-    E, Ev = qs.shape[-1], do.shape[-1]
-    fused = gk.use_fused(xp)
+    lead = qa.shape[:2]
+    E, Ev = qa.shape[-1] - 1, doa.shape[-1] - 1
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
+        kk = k1 - k0
         kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
-        vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
-        kT, vT = kc.swapaxes(-1, -2), vc.swapaxes(-1, -2)
+        kt = ws.transposed("kt", k, k0, k1, dt)
+        vt = ws.transposed("vt", v, k0, k1, dt)
         kb = None if bias is None else bias[..., k0:k1]
         dk_c, dv_c = dk[..., k0:k1, :], dv[..., k0:k1, :]
-        kk = k1 - k0
         for i0 in _tiles(n, tile):
             i1 = min(i0 + tile, n)
             vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
@@ -294,24 +374,13 @@ def backward_block(qs: Any, do: Any, lse: Any, D: Any, q_pos: np.ndarray, group:
                 continue
             r0, r1 = i0 * group, i1 * group
             rows = lead + (r1 - r0,)
-            q_t, do_t = qs[..., r0:r1, :], do[..., r0:r1, :]
-            P = xp.matmul(q_t, kT, out=ws.get("P", rows + (kk,), dt))
-            if kb is not None:
-                P += kb
-            if vis == "some":
-                P += _causal_bias(xp, np.repeat(q_pos[i0:i1], group), k_idx[k0:k1], dt)
-            if fused:
-                gk.exp_sub_(P, lse[..., r0:r1])
-            else:
-                P -= lse[..., r0:r1, None]
-                xp.exp(P, out=P)
-            PT = P.swapaxes(-1, -2)
-            dv_c += xp.matmul(PT, do_t, out=ws.get("dv", lead + (kk, Ev), dt))
-            dS = xp.matmul(do_t, vT, out=ws.get("dS", rows + (kk,), dt))
-            if fused:
-                gk.softmax_grad_(dS, P, D[..., r0:r1])
-            else:
-                dS -= D[..., r0:r1, None]
-                dS *= P
+            P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
+            _add_masks(xp, P, kb, vis, q_pos[i0:i1], group, k_idx[k0:k1])
+            xp.exp(P, out=P)
+            do_t = doa[..., r0:r1, :Ev]
+            dv_c += xp.matmul(P.swapaxes(-1, -2), do_t, out=ws.get("dv", lead + (kk, Ev), dt))
+            dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
+            dS *= P
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
-            dk_c += xp.matmul(dS.swapaxes(-1, -2), q_t, out=ws.get("dk", lead + (kk, E), dt))
+            dk_c += xp.matmul(dS.swapaxes(-1, -2), qa[..., r0:r1, :E],
+                              out=ws.get("dk", lead + (kk, E), dt))

@@ -213,13 +213,6 @@ def _report(progress: Progress, done: int, total: int) -> None:
         progress(done, total)
 
 
-def _fold_lse(lse: Any, pb: _Problem) -> Any:
-    """``(B, H, n)`` lse -> folded ``(B, Hkv, n*G)``, ``+inf`` where no key was seen."""
-    xp = backend.array_module(lse)
-    f = kernels.fold_queries(lse[..., None], pb.Hkv, None, pb.acc)[..., 0]
-    return xp.where(xp.isneginf(f), pb.acc.type(np.inf), f)
-
-
 def _mask_piece(mask_piece: Any, acc: np.dtype) -> Any:
     return None if mask_piece is None else kernels.padding_bias(mask_piece, acc)
 
@@ -227,34 +220,32 @@ def _mask_piece(mask_piece: Any, acc: np.dtype) -> Any:
 # -------------------------------------------------------------------- ring
 def _ring_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
                   progress: Progress) -> tuple[Any, Any]:
-    qs = kernels.fold_queries(q, pb.Hkv, pb.scale, pb.acc)
+    st = kernels.ForwardState.start(q, pb.Hkv, pb.scale, pb.acc, pb.Ev)
     q_pos = pb.q_pos()
-    st = kernels.ForwardState.empty(qs, pb.Ev)
     data = [k, v] + ([mask[:, :, None]] if pb.masked else [])
     total = _n_pieces(pb.M, pb.P, pb.layout, pb.block)
     for i, piece in enumerate(c.circulate(data, pb.M, pb.layout, pb.block)):
         bias = _mask_piece(piece.data[2][..., 0], pb.acc) if pb.masked else None
-        kernels.forward_block(st, qs, q_pos, pb.G, piece.data[0], piece.data[1],
+        kernels.forward_block(st, q_pos, pb.G, piece.data[0], piece.data[1],
                               np.arange(piece.start, piece.stop), bias, pb.causal, pb.block)
         _report(progress, i + 1, total)
     return kernels.finalize(st)
 
 
-def _ring_backward(c: Comm, pb: _Problem, qs: Any, do: Any, lse: Any, D: Any, k: Any, v: Any,
+def _ring_backward(c: Comm, pb: _Problem, bi: kernels.BackwardInputs, k: Any, v: Any,
                    mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
-    xp = backend.array_module(qs)
+    xp = backend.array_module(bi.qa)
     q_pos = pb.q_pos()
-    dq = xp.zeros_like(qs)
+    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc)
     dk = xp.zeros(k.shape, dtype=pb.acc)
     dv = xp.zeros(v.shape, dtype=pb.acc)
     data = [k, v] + ([mask[:, :, None]] if pb.masked else [])
     total = _n_pieces(pb.M, pb.P, pb.layout, pb.block)
-    ws = kernels.Workspace(xp)
     for i, piece in enumerate(c.circulate(data, pb.M, pb.layout, pb.block, acc_out=[dk, dv])):
         bias = _mask_piece(piece.data[2][..., 0], pb.acc) if pb.masked else None
-        kernels.backward_block(qs, do, lse, D, q_pos, pb.G, piece.data[0], piece.data[1],
+        kernels.backward_block(bi, q_pos, pb.G, piece.data[0], piece.data[1],
                                np.arange(piece.start, piece.stop), dq, piece.acc[0], piece.acc[1],
-                               bias, pb.causal, pb.block, ws)
+                               bias, pb.causal, pb.block)
         _report(progress, i + 1, total)
     return dq, dk, dv
 
@@ -291,36 +282,34 @@ def _round_positions(pos: list[np.ndarray], counts: list[int], t: int, block: in
 
 def _allgather_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
                        progress: Progress) -> tuple[Any, Any]:
-    qs = kernels.fold_queries(q, pb.Hkv, pb.scale, pb.acc)
+    st = kernels.ForwardState.start(q, pb.Hkv, pb.scale, pb.acc, pb.Ev)
     q_pos = pb.q_pos()
-    st = kernels.ForwardState.empty(qs, pb.Ev)
     rounds, pos = _gather_rounds(pb)
     for t, counts in enumerate(rounds):
         got = _gather_round(c, pb, t, counts, [k, v] + ([mask[:, :, None]] if pb.masked else []))
         bias = _mask_piece(got[2][..., 0], pb.acc) if pb.masked else None
-        kernels.forward_block(st, qs, q_pos, pb.G, got[0], got[1],
+        kernels.forward_block(st, q_pos, pb.G, got[0], got[1],
                               _round_positions(pos, counts, t, pb.block), bias, pb.causal, pb.block)
         _report(progress, t + 1, len(rounds))
     return kernels.finalize(st)
 
 
-def _allgather_backward(c: Comm, pb: _Problem, qs: Any, do: Any, lse: Any, D: Any, k: Any, v: Any,
+def _allgather_backward(c: Comm, pb: _Problem, bi: kernels.BackwardInputs, k: Any, v: Any,
                         mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
-    xp = backend.array_module(qs)
+    xp = backend.array_module(bi.qa)
     q_pos = pb.q_pos()
-    dq = xp.zeros_like(qs)
+    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc)
     dk = xp.zeros(k.shape, dtype=pb.acc)
     dv = xp.zeros(v.shape, dtype=pb.acc)
     rounds, pos = _gather_rounds(pb)
-    ws = kernels.Workspace(xp)
     for t, counts in enumerate(rounds):
         got = _gather_round(c, pb, t, counts, [k, v] + ([mask[:, :, None]] if pb.masked else []))
         bias = _mask_piece(got[2][..., 0], pb.acc) if pb.masked else None
         dk_t = xp.zeros(got[0].shape, dtype=pb.acc)
         dv_t = xp.zeros(got[1].shape, dtype=pb.acc)
-        kernels.backward_block(qs, do, lse, D, q_pos, pb.G, got[0], got[1],
+        kernels.backward_block(bi, q_pos, pb.G, got[0], got[1],
                                _round_positions(pos, counts, t, pb.block), dq, dk_t, dv_t,
-                               bias, pb.causal, pb.block, ws)
+                               bias, pb.causal, pb.block)
         lo = t * pb.block
         mine = counts[c.rank]
         for acc, part in ((dk, dk_t), (dv, dv_t)):
@@ -399,9 +388,8 @@ def _ulysses_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
     vh = _seq_to_heads(c, v, pb.M, pb.layout)
     bias = kernels.padding_bias(_full_mask(c, pb, mask), pb.acc) if pb.masked else None
     lp = _ulysses_local(pb)
-    qs = kernels.fold_queries(qh, lp.Hkv, pb.scale, pb.acc)
-    st = kernels.ForwardState.empty(qs, pb.Ev)
-    kernels.forward_block(st, qs, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M), bias, pb.causal, pb.block)
+    st = kernels.ForwardState.start(qh, lp.Hkv, pb.scale, pb.acc, pb.Ev)
+    kernels.forward_block(st, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M), bias, pb.causal, pb.block)
     _report(progress, 1, 1)
     o, lse = kernels.finalize(st)
     o = kernels.unfold_rows(o.astype(pb.dtype, copy=False), lp.H)
@@ -419,14 +407,11 @@ def _ulysses_backward(c: Comm, pb: _Problem, dout: Any, q: Any, k: Any, v: Any, 
     stats = _seq_to_heads(c, xp.stack([lse.astype(pb.acc), D], axis=-1), pb.N, pb.layout)
     bias = kernels.padding_bias(_full_mask(c, pb, mask), pb.acc) if pb.masked else None
     lp = _ulysses_local(pb)
-    qs = kernels.fold_queries(qh, lp.Hkv, pb.scale, pb.acc)
-    do_f = kernels.fold_queries(doh, lp.Hkv, None, pb.acc)
-    lse_f = _fold_lse(stats[..., 0], lp)
-    D_f = kernels.fold_queries(stats[..., 1:], lp.Hkv, None, pb.acc)[..., 0]
-    dq = xp.zeros_like(qs)
+    bi = kernels.BackwardInputs.start(qh, doh, stats[..., 0], stats[..., 1], lp.Hkv, pb.scale, pb.acc)
+    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc)
     dk = xp.zeros(kh.shape, dtype=pb.acc)
     dv = xp.zeros(vh.shape, dtype=pb.acc)
-    kernels.backward_block(qs, do_f, lse_f, D_f, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M),
+    kernels.backward_block(bi, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M),
                            dq, dk, dv, bias, pb.causal, pb.block)
     _report(progress, 1, 1)
     dq *= pb.scale
@@ -617,12 +602,9 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
         elif pb.strategy == "materialized":
             dq, dk, dv = _materialized_backward(c, pb, dout, q, k, v, lse, key_padding_mask, progress)
         else:
-            qs = kernels.fold_queries(q, pb.Hkv, pb.scale, pb.acc)
-            do_f = kernels.fold_queries(dout, pb.Hkv, None, pb.acc)
-            lse_f = _fold_lse(lse, pb)
-            D_f = kernels.fold_queries(D[..., None], pb.Hkv, None, pb.acc)[..., 0]
+            bi = kernels.BackwardInputs.start(q, dout, lse, D, pb.Hkv, pb.scale, pb.acc)
             run = _ring_backward if pb.strategy == "ring" else _allgather_backward
-            dq, dk, dv = run(c, pb, qs, do_f, lse_f, D_f, k, v, key_padding_mask, progress)
+            dq, dk, dv = run(c, pb, bi, k, v, key_padding_mask, progress)
             dq *= pb.scale
             dq = kernels.unfold_rows(dq, pb.H)
     del xp

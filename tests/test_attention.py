@@ -322,3 +322,17 @@ def test_backward_shape_checks(comm, xp):
         mpiattn.attention_backward(do[..., :1], q, k, v, out, lse)
     with pytest.raises(ValueError, match="lse must have shape"):
         mpiattn.attention_backward(do, q, k, v, out, lse[..., None])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("growth", ["rising", "falling"])
+def test_large_scores_move_the_softmax_reference(comm, xp, dtype, growth):
+    """Scores of +-hundreds whose row maxima jump between key tiles (the lazy rescale)."""
+    B, H, Hkv, N, M, E, Ev = 1, 2, 1, 24, 40, 8, 4
+    Q, K, V, dO, mask = make_case(11, B, H, Hkv, N, M, E, Ev, np.float64, "random")
+    ramp = np.linspace(0.2, 3.0, M) if growth == "rising" else np.linspace(3.0, 0.2, M)
+    K = (K * ramp[None, None, :, None]).astype(dtype)
+    Q, V, dO = Q.astype(dtype), V.astype(dtype), dO.astype(dtype)
+    for strategy in ("ring", "allgather"):
+        res = run(xp, Q, K, V, dO, mask, "zigzag", causal=True, strategy=strategy, block_size=3, scale=25.0)
+        check_all(res, reference(Q, K, V, True, 25.0, mask, dO), 10 * TOL[dtype])
