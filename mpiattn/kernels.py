@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -191,6 +191,19 @@ def _tiles(n: int, t: int) -> range:
     return range(0, n, max(1, t))
 
 
+def _query_tiles(q_pos: np.ndarray, k_idx: np.ndarray, group: int, tile: int,
+                 causal: bool) -> Iterator[tuple[int, int, str, np.ndarray]]:
+    """Query tiles that see at least one key of ``k_idx``: ``(r0, r1, visibility, positions)``.
+
+    ``r0:r1`` are folded rows (``group`` per query position).
+    """
+    for i0 in _tiles(q_pos.size, tile):
+        i1 = min(i0 + tile, q_pos.size)
+        vis = _visibility(q_pos[i0:i1], k_idx, causal)
+        if vis != "none":
+            yield i0 * group, i1 * group, vis, q_pos[i0:i1]
+
+
 def _add_masks(xp: Any, S: Any, kb: Any, vis: str, q_rows: np.ndarray, group: int,
                k_idx: np.ndarray) -> None:
     if kb is not None:
@@ -257,7 +270,6 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
     qa, ws = st.qa, st.ws
     dt = qa.dtype
     E = qa.shape[-1] - 1
-    n = q_pos.size
     lead = qa.shape[:2]
     fused = gk.use_fused(xp)
     ones = xp.ones(min(tile, max(k_idx.size, 1)), dtype=dt)
@@ -266,12 +278,7 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
         kt = ws.transposed("kt", k, k0, k1, dt)
         vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
         kb = None if bias is None else bias[..., k0:k1]
-        for i0 in _tiles(n, tile):
-            i1 = min(i0 + tile, n)
-            vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
-            if vis == "none":
-                continue
-            r0, r1 = i0 * group, i1 * group
+        for r0, r1, vis, pos in _query_tiles(q_pos, k_idx[k0:k1], group, tile, causal):
             rows = lead + (r1 - r0,)
             m = st.m[..., r0:r1]
             if fused:
@@ -279,7 +286,7 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
             else:  # S = scores - m (0 where m = -inf), straight from the GEMM
                 qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)
             S = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("S", rows + (k1 - k0,), dt))
-            _add_masks(xp, S, kb, vis, q_pos[i0:i1], group, k_idx[k0:k1])
+            _add_masks(xp, S, kb, vis, pos, group, k_idx[k0:k1])
             pv = ws.get("pv", rows + (vc.shape[-1],), dt)
             if fused:
                 alpha = gk.softmax_step_(S, m, st.l[..., r0:r1])
@@ -356,7 +363,6 @@ def backward_block(bi: BackwardInputs, q_pos: np.ndarray, group: int,
     xp = backend.array_module(bi.qa)
     qa, doa, ws = bi.qa, bi.doa, bi.ws
     dt = qa.dtype
-    n = q_pos.size
     lead = qa.shape[:2]
     E, Ev = qa.shape[-1] - 1, doa.shape[-1] - 1
     for k0 in _tiles(k_idx.size, tile):
@@ -367,15 +373,10 @@ def backward_block(bi: BackwardInputs, q_pos: np.ndarray, group: int,
         vt = ws.transposed("vt", v, k0, k1, dt)
         kb = None if bias is None else bias[..., k0:k1]
         dk_c, dv_c = dk[..., k0:k1, :], dv[..., k0:k1, :]
-        for i0 in _tiles(n, tile):
-            i1 = min(i0 + tile, n)
-            vis = _visibility(q_pos[i0:i1], k_idx[k0:k1], causal)
-            if vis == "none":
-                continue
-            r0, r1 = i0 * group, i1 * group
+        for r0, r1, vis, pos in _query_tiles(q_pos, k_idx[k0:k1], group, tile, causal):
             rows = lead + (r1 - r0,)
             P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
-            _add_masks(xp, P, kb, vis, q_pos[i0:i1], group, k_idx[k0:k1])
+            _add_masks(xp, P, kb, vis, pos, group, k_idx[k0:k1])
             xp.exp(P, out=P)
             do_t = doa[..., r0:r1, :Ev]
             dv_c += xp.matmul(P.swapaxes(-1, -2), do_t, out=ws.get("dv", lead + (kk, Ev), dt))

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from . import backend, kernels
 from .comm import Comm, _row_segments_to_pieces, get_comm
-from .layouts import LAYOUTS, all_segments, check_layout
+from .layouts import all_segments, check_layout
 
 __all__ = ["attention", "attention_backward", "STRATEGIES", "DEFAULT_BLOCK"]
 
@@ -204,60 +204,64 @@ def choose_strategy(N: int, M: int, H: int, Hkv: int, E: int, Ev: int, P: int, b
 
 
 # ----------------------------------------------------------------- helpers
-def _n_pieces(n: int, P: int, layout: str, block: int) -> int:
-    return sum(len(_row_segments_to_pieces(s, block)) for s in all_segments(n, P, layout))
-
-
 def _report(progress: Progress, done: int, total: int) -> None:
     if progress is not None:
         progress(done, total)
 
 
-def _mask_piece(mask_piece: Any, acc: np.dtype) -> Any:
-    return None if mask_piece is None else kernels.padding_bias(mask_piece, acc)
+@dataclass
+class _KeyBlock:
+    """Keys/values of global positions ``k_idx`` (row axis -2), their padding bias, gradient sinks."""
+
+    k: Any
+    v: Any
+    k_idx: np.ndarray
+    bias: Any
+    dk: Any = None
+    dv: Any = None
 
 
-# -------------------------------------------------------------------- ring
-def _ring_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
-                  progress: Progress) -> tuple[Any, Any]:
-    st = kernels.ForwardState.start(q, pb.Hkv, pb.scale, pb.acc, pb.Ev)
-    q_pos = pb.q_pos()
-    data = [k, v] + ([mask[:, :, None]] if pb.masked else [])
-    total = _n_pieces(pb.M, pb.P, pb.layout, pb.block)
-    for i, piece in enumerate(c.circulate(data, pb.M, pb.layout, pb.block)):
-        bias = _mask_piece(piece.data[2][..., 0], pb.acc) if pb.masked else None
-        kernels.forward_block(st, q_pos, pb.G, piece.data[0], piece.data[1],
-                              np.arange(piece.start, piece.stop), bias, pb.causal, pb.block)
-        _report(progress, i + 1, total)
-    return kernels.finalize(st)
+def _kv_data(pb: _Problem, k: Any, v: Any, mask: Any) -> list[Any]:
+    return [k, v] + ([mask[:, :, None]] if pb.masked else [])
 
 
-def _ring_backward(c: Comm, pb: _Problem, bi: kernels.BackwardInputs, k: Any, v: Any,
-                   mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
-    xp = backend.array_module(bi.qa)
-    q_pos = pb.q_pos()
-    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc)
-    dk = xp.zeros(k.shape, dtype=pb.acc)
-    dv = xp.zeros(v.shape, dtype=pb.acc)
-    data = [k, v] + ([mask[:, :, None]] if pb.masked else [])
-    total = _n_pieces(pb.M, pb.P, pb.layout, pb.block)
-    for i, piece in enumerate(c.circulate(data, pb.M, pb.layout, pb.block, acc_out=[dk, dv])):
-        bias = _mask_piece(piece.data[2][..., 0], pb.acc) if pb.masked else None
-        kernels.backward_block(bi, q_pos, pb.G, piece.data[0], piece.data[1],
-                               np.arange(piece.start, piece.stop), dq, piece.acc[0], piece.acc[1],
-                               bias, pb.causal, pb.block)
-        _report(progress, i + 1, total)
-    return dq, dk, dv
+def _block(pb: _Problem, data: Sequence[Any], k_idx: np.ndarray, acc: Sequence[Any] = ()) -> _KeyBlock:
+    bias = kernels.padding_bias(data[2][..., 0], pb.acc) if pb.masked else None
+    return _KeyBlock(data[0], data[1], k_idx, bias, *acc)
 
 
-# --------------------------------------------------------------- allgather
-def _gather_rounds(pb: _Problem) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Per round t: rows each rank contributes; and every rank's global key positions."""
-    segs = all_segments(pb.M, pb.P, pb.layout)
-    pos = [_positions(s) for s in segs]
+# The two block sources below hand every key/value block to the same blocked
+# forward/backward loops; with ``grads`` they also collect dK, dV for the owners.
+
+def _ring_blocks(c: Comm, pb: _Problem, k: Any, v: Any, mask: Any,
+                 grads: Sequence[Any] = ()) -> tuple[int, Iterator[_KeyBlock]]:
+    """Ring: blocks arrive from the neighbour; dK, dV travel with them and come home."""
+    total = sum(len(_row_segments_to_pieces(s, pb.block)) for s in all_segments(pb.M, pb.P, pb.layout))
+    pieces = c.circulate(_kv_data(pb, k, v, mask), pb.M, pb.layout, pb.block, acc_out=grads)
+    return total, (_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)
+
+
+def _gather_blocks(c: Comm, pb: _Problem, k: Any, v: Any, mask: Any,
+                   grads: Sequence[Any] = ()) -> tuple[int, Iterator[_KeyBlock]]:
+    """All-gather: round ``t`` gathers rows ``[t*block, (t+1)*block)`` of every rank's shard;
+    its dK, dV are summed to their owners by a reduce-scatter."""
+    xp = backend.array_module(k)
+    pos = [_positions(s) for s in all_segments(pb.M, pb.P, pb.layout)]
     rounds = max((math.ceil(p.size / pb.block) for p in pos), default=0)
-    counts = [[max(0, min(pb.block, p.size - t * pb.block)) for p in pos] for t in range(rounds)]
-    return counts, pos
+
+    def blocks() -> Iterator[_KeyBlock]:
+        for t in range(rounds):
+            lo = t * pb.block
+            counts = [max(0, min(pb.block, p.size - lo)) for p in pos]
+            got = [xp.moveaxis(c.allgatherv_rows(_rows_first(x[..., lo:lo + counts[c.rank], :]), counts), 0, -2)
+                   for x in _kv_data(pb, k, v, mask)]
+            k_idx = np.concatenate([p[lo:lo + n] for p, n in zip(pos, counts)])
+            sinks = [xp.zeros(x.shape, dtype=pb.acc) for x in got[:2]] if grads else []
+            yield _block(pb, got, k_idx, sinks)
+            for g, part in zip(grads, sinks):
+                g[..., lo:lo + counts[c.rank], :] += xp.moveaxis(c.reduce_scatterv_rows(_rows_first(part), counts), 0, -2)
+
+    return rounds, blocks()
 
 
 def _rows_first(x: Any) -> Any:
@@ -265,58 +269,35 @@ def _rows_first(x: Any) -> Any:
     return xp.ascontiguousarray(xp.moveaxis(x, -2, 0))
 
 
-def _gather_round(c: Comm, pb: _Problem, t: int, counts: list[int], arrays: list[Any]) -> list[Any]:
-    """Gather rows ``[t*block, t*block + counts[rank])`` of each array from every rank (row axis -2)."""
-    xp = backend.array_module(*arrays)
-    lo = t * pb.block
-    out = []
-    for x in arrays:
-        g = c.allgatherv_rows(_rows_first(x[..., lo:lo + counts[c.rank], :]), counts)
-        out.append(xp.moveaxis(g, 0, -2))
-    return out
+_BLOCKS = {"ring": _ring_blocks, "allgather": _gather_blocks}
 
 
-def _round_positions(pos: list[np.ndarray], counts: list[int], t: int, block: int) -> np.ndarray:
-    return np.concatenate([p[t * block:t * block + k] for p, k in zip(pos, counts)])
-
-
-def _allgather_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
-                       progress: Progress) -> tuple[Any, Any]:
+def _blocked_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: Any,
+                     progress: Progress) -> tuple[Any, Any]:
     st = kernels.ForwardState.start(q, pb.Hkv, pb.scale, pb.acc, pb.Ev)
     q_pos = pb.q_pos()
-    rounds, pos = _gather_rounds(pb)
-    for t, counts in enumerate(rounds):
-        got = _gather_round(c, pb, t, counts, [k, v] + ([mask[:, :, None]] if pb.masked else []))
-        bias = _mask_piece(got[2][..., 0], pb.acc) if pb.masked else None
-        kernels.forward_block(st, q_pos, pb.G, got[0], got[1],
-                              _round_positions(pos, counts, t, pb.block), bias, pb.causal, pb.block)
-        _report(progress, t + 1, len(rounds))
-    return kernels.finalize(st)
+    total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask)
+    for i, b in enumerate(blocks):
+        kernels.forward_block(st, q_pos, pb.G, b.k, b.v, b.k_idx, b.bias, pb.causal, pb.block)
+        _report(progress, i + 1, total)
+    o, lse = kernels.finalize(st)
+    return kernels.unfold_rows(o, pb.H), kernels.unfold_rows(lse[..., None], pb.H)[..., 0]
 
 
-def _allgather_backward(c: Comm, pb: _Problem, bi: kernels.BackwardInputs, k: Any, v: Any,
-                        mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
-    xp = backend.array_module(bi.qa)
+def _blocked_backward(c: Comm, pb: _Problem, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: Any,
+                      mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+    xp = backend.array_module(q)
+    bi = kernels.BackwardInputs.start(q, dout, lse, D, pb.Hkv, pb.scale, pb.acc)
     q_pos = pb.q_pos()
     dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc)
     dk = xp.zeros(k.shape, dtype=pb.acc)
     dv = xp.zeros(v.shape, dtype=pb.acc)
-    rounds, pos = _gather_rounds(pb)
-    for t, counts in enumerate(rounds):
-        got = _gather_round(c, pb, t, counts, [k, v] + ([mask[:, :, None]] if pb.masked else []))
-        bias = _mask_piece(got[2][..., 0], pb.acc) if pb.masked else None
-        dk_t = xp.zeros(got[0].shape, dtype=pb.acc)
-        dv_t = xp.zeros(got[1].shape, dtype=pb.acc)
-        kernels.backward_block(bi, q_pos, pb.G, got[0], got[1],
-                               _round_positions(pos, counts, t, pb.block), dq, dk_t, dv_t,
-                               bias, pb.causal, pb.block)
-        lo = t * pb.block
-        mine = counts[c.rank]
-        for acc, part in ((dk, dk_t), (dv, dv_t)):
-            summed = c.reduce_scatterv_rows(_rows_first(part), counts)
-            acc[..., lo:lo + mine, :] += xp.moveaxis(summed, 0, -2)
-        _report(progress, t + 1, len(rounds))
-    return dq, dk, dv
+    total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask, grads=[dk, dv])
+    for i, b in enumerate(blocks):
+        kernels.backward_block(bi, q_pos, pb.G, b.k, b.v, b.k_idx, dq, b.dk, b.dv, b.bias, pb.causal, pb.block)
+        _report(progress, i + 1, total)
+    dq *= pb.scale
+    return kernels.unfold_rows(dq, pb.H), dk, dv
 
 
 # ----------------------------------------------------------------- ulysses
@@ -458,7 +439,7 @@ def _materialized_forward(c: Comm, pb: _Problem, q: Any, k: Any, v: Any, mask: A
 
 
 def _materialized_backward(c: Comm, pb: _Problem, dout: Any, q: Any, k: Any, v: Any, lse: Any,
-                           mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+                           D: Any, mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
     from .products import matmul_nn, matmul_nt, matmul_tn
 
     xp = backend.array_module(q)
@@ -474,7 +455,7 @@ def _materialized_backward(c: Comm, pb: _Problem, dout: Any, q: Any, k: Any, v: 
     q5 = q.astype(pb.acc).reshape(B, pb.Hkv, pb.G, n, E)
     dv = matmul_tn(Pm, do5, c.mpi, **kw).sum(axis=2)
     dP = matmul_nt(do5, v5, c.mpi, **kw)
-    dS = Pm * (dP - (dP * Pm).sum(axis=-1, keepdims=True))
+    dS = Pm * (dP - (dP * Pm).sum(axis=-1, keepdims=True))  # rowsum(dP * P) = D
     dq = pb.scale * matmul_nn(dS, k5, c.mpi, **kw)
     dk = pb.scale * matmul_tn(dS, q5, c.mpi, **kw).sum(axis=2)
     _report(progress, 1, 1)
@@ -482,8 +463,12 @@ def _materialized_backward(c: Comm, pb: _Problem, dout: Any, q: Any, k: Any, v: 
 
 
 # ------------------------------------------------------------------ public
-_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward,
+_FORWARD = {"ring": _blocked_forward, "allgather": _blocked_forward,
             "ulysses": _ulysses_forward, "materialized": _materialized_forward}
+
+
+_BACKWARD = {"ring": _blocked_backward, "allgather": _blocked_backward,
+             "ulysses": _ulysses_backward, "materialized": _materialized_backward}
 
 
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
@@ -550,9 +535,6 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
                    strategy=strategy, block_size=block_size, check_finite=check_finite)
     with c.abort_on_error():
         o, lse = _FORWARD[pb.strategy](c, pb, q, k, v, key_padding_mask, progress)
-    if pb.strategy in ("ring", "allgather"):
-        o = kernels.unfold_rows(o, pb.H)
-        lse = kernels.unfold_rows(lse[..., None], pb.H)[..., 0]
     return o.astype(pb.dtype, copy=False), lse.astype(pb.acc, copy=False)
 
 
@@ -594,19 +576,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     pb = _validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse},
                    causal=causal, scale=scale, layout=layout, strategy=strategy,
                    block_size=block_size, check_finite=check_finite)
-    xp = backend.array_module(q)
     D = (dout.astype(pb.acc) * out.astype(pb.acc)).sum(axis=-1)
     with c.abort_on_error():
-        if pb.strategy == "ulysses":
-            dq, dk, dv = _ulysses_backward(c, pb, dout, q, k, v, lse, D, key_padding_mask, progress)
-        elif pb.strategy == "materialized":
-            dq, dk, dv = _materialized_backward(c, pb, dout, q, k, v, lse, key_padding_mask, progress)
-        else:
-            bi = kernels.BackwardInputs.start(q, dout, lse, D, pb.Hkv, pb.scale, pb.acc)
-            run = _ring_backward if pb.strategy == "ring" else _allgather_backward
-            dq, dk, dv = run(c, pb, bi, k, v, key_padding_mask, progress)
-            dq *= pb.scale
-            dq = kernels.unfold_rows(dq, pb.H)
-    del xp
+        dq, dk, dv = _BACKWARD[pb.strategy](c, pb, dout, q, k, v, lse, D, key_padding_mask, progress)
     return (dq.astype(pb.dtype, copy=False), dk.astype(pb.dtype, copy=False),
             dv.astype(pb.dtype, copy=False))
