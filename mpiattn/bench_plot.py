@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["plot_all"]
 

@@ -5,7 +5,6 @@ it shares no code with mpiattn. Gradients are checked against the analytic
 softmax backward of that reference and against finite differences.
 """
 
-import itertools
 
 import numpy as np
 import pytest
