@@ -5,9 +5,13 @@
   ``MPIATTN_TEST_BACKEND=cupy`` (skipped cleanly where no GPU is usable).
 * ``serial_only``: skips a test (on every rank) when run under several ranks;
   used by tests that launch ``mpiexec`` themselves.
+* ``shared_dir``: one temporary directory, the same path on every rank,
+  removed after the test.
 """
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -54,3 +58,12 @@ def host(a):
     """Any array as NumPy (for assertions)."""
     from mpiattn.backend import to_host
     return to_host(a)
+
+
+@pytest.fixture
+def shared_dir(comm):
+    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-test-") if comm.rank == 0 else None)
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

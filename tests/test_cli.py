@@ -7,8 +7,6 @@ with h5py. End-to-end runs through ``mpiexec`` are in test_cli_e2e.py.
 """
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -20,13 +18,6 @@ from mpiattn.reference import reference
 from test_io import _bad
 
 
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-cli-") if comm.rank == 0 else None)
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run(comm, capsys, *argv):

@@ -6,8 +6,6 @@ The CLI gets a communicator of its own (fresh Comm cache), freed afterwards.
 """
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -19,13 +17,6 @@ from mpiattn import comm as comm_module
 from mpiattn.reference import reference
 
 
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-cligpu-") if comm.rank == 0 else None)
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ values come from h5py reading whole datasets (independent of mpiattn.io).
 """
 
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -19,13 +17,6 @@ SPEC = datagen.Spec(batch=2, heads=4, kv_heads=2, seq=37, kv_seq=29, dim=8, valu
                     with_dout=True, padding=0.3, seed=3)
 
 
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-io-") if comm.rank == 0 else None)
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _rows_of(x, segs, axis):
