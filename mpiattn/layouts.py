@@ -25,7 +25,8 @@ from . import backend
 from .comm import get_comm
 
 __all__ = ["LAYOUTS", "check_layout", "split_sizes", "segments", "all_segments",
-           "local_length", "partition", "shard", "gather"]
+           "local_length", "local_lengths", "positions", "check_shares", "to_global_order",
+           "partition", "shard", "gather"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -83,10 +84,44 @@ def local_length(n: int, rank: int, nranks: int, layout: str = "contiguous") -> 
     return sum(ln for _, ln in segments(n, rank, nranks, layout))
 
 
-def _indices(segs: Segments) -> np.ndarray:
+def local_lengths(n: int, nranks: int, layout: str = "contiguous") -> list[int]:
+    """Rows owned by each rank of a length-``n`` sequence."""
+    return [sum(ln for _, ln in segs) for segs in all_segments(n, nranks, layout)]
+
+
+def positions(segs: Segments) -> np.ndarray:
+    """Global row indices (int64, local order) of a rank's segments."""
     if not segs:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(g, g + ln, dtype=np.int64) for g, ln in segs])
+
+
+def check_shares(counts: list[int], layout: str, what: str) -> int:
+    """Check that ``counts[r]`` (rows on rank r) are the layout's shares of their sum; return the sum.
+
+    Raises ValueError naming the first rank that holds the wrong number of
+    rows. Every rank passes the same gathered ``counts``, so every rank
+    raises the same error without further communication.
+    """
+    n, P = sum(counts), len(counts)
+    for r, (got, want) in enumerate(zip(counts, local_lengths(n, P, layout))):
+        if got != want:
+            raise ValueError(
+                f"{what}: rank {r} holds {got} rows, but the {layout} layout of {n} rows over "
+                f"{P} ranks gives it {want} (rows per rank: {counts})")
+    return n
+
+
+def to_global_order(rows: Any, n: int, nranks: int, layout: str) -> Any:
+    """Rows (axis 0) concatenated in rank order, each rank's in local order -> global order."""
+    xp = backend.array_module(rows)
+    out = xp.empty_like(rows)
+    pos = 0
+    for segs in all_segments(n, nranks, layout):
+        for g, ln in segs:
+            out[g:g + ln] = rows[pos:pos + ln]
+            pos += ln
+    return out
 
 
 def partition(n: int, comm: Any = None, layout: str = "contiguous") -> np.ndarray:
@@ -106,7 +141,7 @@ def partition(n: int, comm: Any = None, layout: str = "contiguous") -> np.ndarra
         1-D int64 array of length ``n_r``, increasing within each segment.
     """
     c = get_comm(comm)
-    return _indices(segments(int(n), c.rank, c.size, layout))
+    return positions(segments(int(n), c.rank, c.size, layout))
 
 
 def _take_rows(x: Any, segs: Segments, axis: int) -> Any:
@@ -179,31 +214,27 @@ def gather(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous",
         between ranks, or a local length does not match the layout.
     """
     c = get_comm(comm)
-    with c.collective_errors():
-        xp = backend.array_module(x)
+
+    def local() -> tuple:
+        backend.array_module(x)
         check_layout(layout)
-        axis = _norm_axis(axis, x.ndim)
+        ax = _norm_axis(axis, x.ndim)
         if root is not None and not 0 <= root < c.size:
             raise ValueError(f"root {root} is not a rank of a communicator of size {c.size}")
-    meta = c.allgather_obj((x.shape, str(x.dtype), axis, layout, root))
-    with c.collective_errors():
-        _check_gather_meta(meta, c.size)
-    lengths = [m[0][axis] for m in meta]
-    n = sum(lengths)
-    moved = xp.ascontiguousarray(xp.moveaxis(x, axis, 0))
-    rows = c.gatherv_rows(moved, lengths, root=root)
+        return (x.shape, str(x.dtype), ax, layout, root)
+
+    meta = c.allgather_checked(local)
+    _check_gather_meta(meta)  # the same data on every rank: the same error everywhere
+    xp = backend.array_module(x)
+    ax = meta[c.rank][2]
+    lengths = [m[0][ax] for m in meta]
+    rows = c.gatherv_rows(xp.ascontiguousarray(xp.moveaxis(x, ax, 0)), lengths, root=root)
     if rows is None:
         return None
-    out = xp.empty_like(rows)
-    pos = 0
-    for r, segs in enumerate(all_segments(n, c.size, layout)):
-        for g, ln in segs:
-            out[g:g + ln] = rows[pos:pos + ln]
-            pos += ln
-    return xp.moveaxis(out, 0, axis)
+    return xp.moveaxis(to_global_order(rows, sum(lengths), c.size, layout), 0, ax)
 
 
-def _check_gather_meta(meta: list, nranks: int) -> None:
+def _check_gather_meta(meta: list) -> None:
     shape0, dtype0, axis0, layout0, root0 = meta[0]
     for r, (shape, dtype, axis, layout, root) in enumerate(meta):
         if (axis, layout, root) != (axis0, layout0, root0) or len(shape) != len(shape0):
@@ -213,10 +244,4 @@ def _check_gather_meta(meta: list, nranks: int) -> None:
         other = shape[:axis] + shape[axis + 1:]
         if other != shape0[:axis0] + shape0[axis0 + 1:]:
             raise ValueError(f"gather: rank {r} has shape {shape}, incompatible with rank 0's {shape0}")
-    n = sum(m[0][axis0] for m in meta)
-    for r, m in enumerate(meta):
-        want = local_length(n, r, nranks, layout0)
-        if m[0][axis0] != want:
-            raise ValueError(
-                f"gather: rank {r} holds {m[0][axis0]} rows, but the {layout0} layout of "
-                f"{n} rows over {nranks} ranks gives it {want}")
+    check_shares([m[0][axis0] for m in meta], layout0, "gather")

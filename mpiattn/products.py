@@ -61,7 +61,7 @@ import numpy as np
 
 from . import backend
 from .comm import Comm, get_comm
-from .layouts import check_layout, local_length
+from .layouts import check_layout, check_shares, local_lengths
 
 __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
            "matmul_nt_backward", "matmul_nn_backward", "matmul_tn_backward",
@@ -183,13 +183,7 @@ def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
 def _row_counts(shapes: list[Shape], name: str, op: str, layout: str) -> list[int]:
     """Each rank's rows of an operand; they must be the layout's shares of their sum."""
     counts = [s[-2] for s in shapes]
-    n, P = sum(counts), len(counts)
-    for r, got in enumerate(counts):
-        want = local_length(n, r, P, layout)
-        if got != want:
-            raise ValueError(
-                f"{op}: {name} has {got} rows on rank {r}, but the {layout} layout of {n} rows "
-                f"over {P} ranks gives rank {r} {want} rows (rows per rank: {counts})")
+    check_shares(counts, layout, f"{op}: {name}")
     return counts
 
 
@@ -252,7 +246,7 @@ def _plan_tn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_siz
                              f"and {names[1]} has {y[-2]} (Aᵀ·B needs the same rows of both)")
     _row_counts(sa, names[0], op, layout)
     n_out = sa[0][-1]
-    out_counts = [local_length(n_out, r, len(sa), layout) for r in range(len(sa))]
+    out_counts = local_lengths(n_out, len(sa), layout)
     lead = _broadcast_lead(sa[0], sb[0], op)
     d = sb[0][-1]
     row_bytes = math.prod(lead) * d * backend.accum_dtype(dtype).itemsize
@@ -551,7 +545,7 @@ def matmul_tn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
         c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
     fwd = _plan_tn(sa, sb, layout, c.rank, block, dtype, op)
     n_out, P = fwd.n_ring, len(sa)
-    want = [fwd.lead + (local_length(n_out, r, P, layout), fwd.out_cols) for r in range(P)]
+    want = [fwd.lead + (n_r, fwd.out_cols) for n_r in local_lengths(n_out, P, layout)]
     _check_dc(sdc, want, op, "matmul_tn")
     plan_a = _plan_nt(sb, sdc, layout, c.rank, block, dtype, op, ("b", "dc"))
     plan_b = _plan_nn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import backend, kernels
 from .comm import Comm, _row_segments_to_pieces, get_comm
-from .layouts import all_segments, check_layout
+from .layouts import all_segments, check_layout, check_shares, local_lengths, positions, to_global_order
 
 __all__ = ["attention", "attention_backward", "STRATEGIES", "DEFAULT_BLOCK"]
 
@@ -88,13 +88,7 @@ class _Problem:
         return self.H // self.Hkv
 
     def q_pos(self) -> np.ndarray:
-        return _positions(all_segments(self.N, self.P, self.layout)[self.rank])
-
-
-def _positions(segs: list[tuple[int, int]]) -> np.ndarray:
-    if not segs:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(g, g + ln, dtype=np.int64) for g, ln in segs])
+        return positions(all_segments(self.N, self.P, self.layout)[self.rank])
 
 
 # --------------------------------------------------------------- validation
@@ -164,13 +158,8 @@ def _validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
     (B, H, Hkv, E, Ev), dtype, _, _, causal, scale, layout, strategy, block, masked, _ = head
     N = sum(meta[2] for meta in metas)
     M = sum(meta[3] for meta in metas)
-    for what, total, col in (("query", N, 2), ("key/value", M, 3)):
-        segs = all_segments(total, c.size, layout)
-        for r, meta in enumerate(metas):
-            if meta[col] != sum(ln for _, ln in segs[r]):
-                raise ValueError(
-                    f"rank {r} holds {meta[col]} {what} rows, but the {layout} layout of {total} rows "
-                    f"over {c.size} ranks gives it {sum(ln for _, ln in segs[r])}")
+    for what, col in (("query rows (q)", 2), ("key/value rows (k, v)", 3)):
+        check_shares([meta[col] for meta in metas], layout, what)
     dt = np.dtype(dtype)
     prob = _Problem(B, H, Hkv, E, Ev, N, M, dt, backend.accum_dtype(dt),
                     1.0 / math.sqrt(E) if scale is None else scale, causal, layout, strategy,
@@ -246,7 +235,7 @@ def _gather_blocks(c: Comm, pb: _Problem, k: Any, v: Any, mask: Any,
     """All-gather: round ``t`` gathers rows ``[t*block, (t+1)*block)`` of every rank's shard;
     its dK, dV are summed to their owners by a reduce-scatter."""
     xp = backend.array_module(k)
-    pos = [_positions(s) for s in all_segments(pb.M, pb.P, pb.layout)]
+    pos = [positions(s) for s in all_segments(pb.M, pb.P, pb.layout)]
     rounds = max((math.ceil(p.size / pb.block) for p in pos), default=0)
 
     def blocks() -> Iterator[_KeyBlock]:
@@ -308,7 +297,7 @@ def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: str) -> Any:
     B, Hx, n, F = x.shape
     hp = Hx // P
     segs = all_segments(n_total, P, layout)
-    lengths = [sum(ln for _, ln in s) for s in segs]
+    lengths = local_lengths(n_total, P, layout)
     send = xp.ascontiguousarray(x.reshape(B, P, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(-1, F)
     got = c.alltoallv_rows(send, [B * hp * n] * P, [B * hp * ln for ln in lengths])
     out = xp.empty((B, hp, n_total, F), dtype=x.dtype)
@@ -329,7 +318,7 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: str) -> Any:
     P = c.size
     B, hp, _, F = y.shape
     segs = all_segments(n_total, P, layout)
-    lengths = [sum(ln for _, ln in s) for s in segs]
+    lengths = local_lengths(n_total, P, layout)
     parts = []
     for d in range(P):
         rows = [y[:, :, g:g + ln] for g, ln in segs[d]]
@@ -344,16 +333,8 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: str) -> Any:
 def _full_mask(c: Comm, pb: _Problem, mask: Any) -> Any:
     """Every rank's ``(B, m_r)`` padding mask -> the global ``(B, M)`` mask on every rank."""
     xp = backend.array_module(mask)
-    segs = all_segments(pb.M, pb.P, pb.layout)
-    lengths = [sum(ln for _, ln in s) for s in segs]
-    rows = c.allgatherv_rows(xp.ascontiguousarray(mask.T), lengths)
-    full = xp.empty((pb.M, pb.B), dtype=mask.dtype)
-    pos = 0
-    for s in range(pb.P):
-        for g, ln in segs[s]:
-            full[g:g + ln] = rows[pos:pos + ln]
-            pos += ln
-    return xp.ascontiguousarray(full.T)
+    rows = c.allgatherv_rows(xp.ascontiguousarray(mask.T), local_lengths(pb.M, pb.P, pb.layout))
+    return xp.ascontiguousarray(to_global_order(rows, pb.M, pb.P, pb.layout).T)
 
 
 def _ulysses_local(pb: _Problem) -> _Problem:
