@@ -1,7 +1,8 @@
 """mpiattn: exact dot-product attention over sequence-sharded operands with MPI.
 
 Each MPI rank holds a shard of the sequence (rows) and runs on NumPy (CPU) or
-CuPy (GPU) arrays; see :mod:`mpiattn.layouts` for the layouts.
+CuPy (GPU) arrays; see :mod:`mpiattn.layouts` for the layouts and
+``docs/architecture.md`` for the layers of the package.
 
 Importing the package initialises neither MPI nor CUDA: communicators are
 passed in (default ``MPI.COMM_WORLD``) and duplicated on first use.
@@ -16,9 +17,9 @@ from ._version import __version__
 
 # public name -> submodule that defines it (imported on first access)
 _EXPORTS = {
-    "partition": "layouts",
-    "shard": "layouts",
-    "gather": "layouts",
+    "partition": "sharding",
+    "shard": "sharding",
+    "gather": "sharding",
     "matmul_nt": "products",
     "matmul_nn": "products",
     "matmul_tn": "products",

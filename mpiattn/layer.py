@@ -46,7 +46,9 @@ from typing import Any
 import numpy as np
 
 from . import backend
-from .comm import get_comm
+from .strategies import attention, attention_backward
+from .comm.core import get_comm
+from .io.checkpoint import load_params, save_params
 
 __all__ = ["MultiheadAttention"]
 
@@ -261,8 +263,6 @@ class MultiheadAttention:
             In the layer dtype, on the layer's device. Query rows that see no
             key (all masked) get ``b_o``.
         """
-        from .strategies import attention
-
         c = self._comm = get_comm(comm)
         self_attn = key is None and value is None
         with c.collective_errors():
@@ -349,8 +349,6 @@ class MultiheadAttention:
             gradients summed over all ranks (one allreduce of a packed buffer),
             the same on every rank.
         """
-        from .strategies import attention_backward
-
         cache = self._cache
         c = self._comm if self._comm is not None else get_comm(None)
         with c.collective_errors():
@@ -400,40 +398,22 @@ class MultiheadAttention:
     def save(self, path: str | os.PathLike, comm: Any = None) -> None:
         """Write the configuration and parameters to an HDF5 file (collective).
 
-        Rank 0 writes ``path`` through a temporary file in the same directory
-        that is renamed into place, so a crash never leaves a half-written
-        file under ``path``. Every rank returns once the file is complete, so
-        any rank may :meth:`load` it right after. Parameters are taken from
-        rank 0 (they are replicated).
+        Rank 0 writes through a temporary file that is renamed into place
+        (:func:`mpiattn.io.save_params`), so a crash never leaves a
+        half-written file under ``path``. Every rank returns once the file is
+        complete, so any rank may :meth:`load` it right after. Parameters are
+        taken from rank 0 (they are replicated).
 
         Layout: root attributes ``format`` (``"mpiattn.MultiheadAttention"``),
         ``format_version``, ``embed_dim``, ``num_heads``, ``num_kv_heads``,
         ``kdim``, ``vdim``, ``bias``, ``dtype``, ``seed``; one dataset per
         parameter under group ``params``.
         """
-        c = get_comm(comm)
-        path = os.fspath(path)
-        with c.collective_errors():
-            if c.rank == 0:
-                self._write(path)
-
-    def _write(self, path: str) -> None:
-        import h5py
-
-        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                           f".{os.path.basename(path)}.tmp{os.getpid()}")
-        try:
-            with h5py.File(tmp, "w") as f:
-                f.attrs.update(format=_FORMAT, format_version=_FORMAT_VERSION, embed_dim=self.embed_dim,
-                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kdim=self.kdim,
-                               vdim=self.vdim, bias=self.bias, dtype=self.dtype.name, seed=self.seed)
-                grp = f.create_group("params")
-                for name, value in self.params.items():
-                    grp.create_dataset(name, data=backend.to_host(value))
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        attrs = dict(format=_FORMAT, format_version=_FORMAT_VERSION, embed_dim=self.embed_dim,
+                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kdim=self.kdim,
+                     vdim=self.vdim, bias=self.bias, dtype=self.dtype.name, seed=self.seed)
+        params = {name: backend.to_host(value) for name, value in self.params.items()}
+        save_params(path, params, attrs, comm)
 
     @classmethod
     def load(cls, path: str | os.PathLike, comm: Any = None) -> "MultiheadAttention":
@@ -448,50 +428,29 @@ class MultiheadAttention:
             parameter has the wrong shape or dtype.
         """
         c = get_comm(comm)
-        path = os.fspath(path)
+        attrs, params = load_params(path, _FORMAT, _FORMAT_VERSION, c)
         layer = None
         with c.collective_errors():
-            layer = cls._read(path)
+            layer = cls._from_checkpoint(os.fspath(path), attrs, params)
         return layer
 
     @classmethod
-    def _read(cls, path: str) -> "MultiheadAttention":
-        import h5py
-
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no such file: {path!r}")
+    def _from_checkpoint(cls, path: str, a: dict, params: dict) -> "MultiheadAttention":
         try:
-            return cls._read_open(path, h5py.File(path, "r"))
-        except OSError as exc:
-            raise ValueError(f"cannot read {path!r} as HDF5: {exc}") from exc
-        except KeyError as exc:
-            raise ValueError(f"{path!r} lacks {exc} of a saved MultiheadAttention") from exc
-
-    @classmethod
-    def _read_open(cls, path: str, f: Any) -> "MultiheadAttention":
-        import h5py
-
-        with f:
-            a = f.attrs
-            if a.get("format") != _FORMAT:
-                raise ValueError(f"{path!r} is not a saved mpiattn MultiheadAttention (no format attribute)")
-            if int(a["format_version"]) > _FORMAT_VERSION:
-                raise ValueError(f"{path!r} has format version {int(a['format_version'])}; "
-                                 f"this mpiattn reads up to {_FORMAT_VERSION}")
             layer = cls(int(a["embed_dim"]), int(a["num_heads"]), num_kv_heads=int(a["num_kv_heads"]),
                         kdim=int(a["kdim"]), vdim=int(a["vdim"]), bias=bool(a["bias"]),
                         dtype=np.dtype(str(a["dtype"])), seed=int(a["seed"]))
-            grp = f.get("params")
-            names = set(grp.keys()) if isinstance(grp, h5py.Group) else set()
-            want = layer.param_shapes()
-            if names != set(want):
-                raise ValueError(f"{path!r}: parameters {sorted(names)} do not match the expected {sorted(want)}")
-            for name, shape in want.items():
-                ds = grp[name]
-                if tuple(ds.shape) != shape or np.dtype(ds.dtype) != layer.dtype:
-                    raise ValueError(f"{path!r}: parameter {name!r} has shape {tuple(ds.shape)} and dtype "
-                                     f"{ds.dtype}; expected {shape} and {layer.dtype}")
-                layer.params[name] = ds[()]
+        except KeyError as exc:
+            raise ValueError(f"{path!r} lacks {exc} of a saved MultiheadAttention") from exc
+        want = layer.param_shapes()
+        if set(params) != set(want):
+            raise ValueError(f"{path!r}: parameters {sorted(params)} do not match the expected {sorted(want)}")
+        for name, shape in want.items():
+            x = params[name]
+            if tuple(x.shape) != shape or np.dtype(x.dtype) != layer.dtype:
+                raise ValueError(f"{path!r}: parameter {name!r} has shape {tuple(x.shape)} and dtype "
+                                 f"{x.dtype}; expected {shape} and {layer.dtype}")
+            layer.params[name] = x
         return layer
 
 

@@ -1,8 +1,9 @@
-"""Local blocked attention kernels: online-softmax forward, lse-based backward.
+"""The native engine: blocked online-softmax forward, lse-based backward (NumPy or CuPy).
 
-These run on one rank, on NumPy or CuPy arrays, and know nothing of MPI. The
-distributed drivers in :mod:`mpiattn.strategies` feed them key/value blocks
-(from the ring, a gather or an all-to-all) with their *global* row indices.
+These run on one rank and know nothing of MPI. The distributed strategies in
+:mod:`mpiattn.strategies` feed them key/value blocks (from the ring, a gather
+or an all-to-all) with their *global* row indices. They are the reference
+implementation: every dtype, mask and device.
 
 Row layout
 ----------
@@ -22,9 +23,9 @@ Dao et al. 2022/2023)::
     l   = a l + rowsum P;    O = a O + P V_c;  m = m'
     end: O = O / l;  lse = m + log l      (no visible key: O = 0, lse = -inf)
 
-The result does not depend on which reference ``m`` is used, as long as
+The result does not depend on which shift ``m`` is used, as long as
 ``exp(S - m)`` neither overflows nor loses the row's largest terms. So the
-reference moves only when a tile's row maximum exceeds it by more than
+shift moves only when a tile's row maximum exceeds it by more than
 ``TAU`` (or when a row sees its first key), a "lazy rescale" as in
 FlashAttention-4: probabilities stay ``<= exp(TAU)``, ``l >= 1`` once a row has
 seen a key, and most tiles need no rescaling. The shift itself is folded into
@@ -42,9 +43,9 @@ Backward, recomputing ``P`` from ``lse``::
 is multiplied by ``s`` once at the end; ``- lse`` and ``- D`` are folded into
 their GEMMs by an extra column, as in the forward pass.)
 
-On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the forward elementwise steps run
-as fused kernels from :mod:`mpiattn.gpu_kernels` (exact running maximum,
-fewer passes).
+On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the forward elementwise steps of a
+tile run as fused kernels from :mod:`mpiattn.kernels.fused` (exact running
+maximum, fewer passes): :func:`_tile_fused` instead of :func:`_tile_generic`.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import backend
-from . import gpu_kernels as gk
+from .. import backend
+from . import fused
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
            "forward_block", "finalize", "backward_block", "padding_bias", "DEFAULT_TILE", "TAU"]
@@ -64,7 +65,7 @@ __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "Backward
 #: Default tile edge (rows of queries x rows of keys) for the score block.
 DEFAULT_TILE = 512
 
-#: Lazy-rescale threshold (natural-log units): the running reference of a row
+#: Lazy-rescale threshold (natural-log units): the running shift of a row
 #: moves only when a tile's scores exceed it by more than this.
 TAU = 8.0
 
@@ -144,7 +145,7 @@ class ForwardState:
     qa : (B, Hkv, n*G, E+1)
         Folded, scaled queries; the last column holds each tile's shift.
     m : (B, Hkv, n*G)
-        Running reference (-inf before any visible key): at most ``TAU``
+        Running shift (-inf before any visible key): at most ``TAU``
         below the running row maximum, never above it.
     l : (B, Hkv, n*G)
         Running sum of ``exp(S - m)`` (>= 1 once a key was seen).
@@ -213,11 +214,11 @@ def _add_masks(xp: Any, S: Any, kb: Any, vis: str, q_rows: np.ndarray, group: in
 
 
 def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
-    """Move the reference of rows whose scores outgrew it (or that saw their first key).
+    """Move the shift of rows whose scores outgrew it (or that saw their first key).
 
-    ``S`` holds ``scores - c``, ``c`` the current reference (0 where it is
+    ``S`` holds ``scores - c``, ``c`` the current shift (0 where it is
     -inf), and ``r`` its row maxima; afterwards ``S`` holds ``scores - m``
-    for the updated reference ``m``, and the running sums are rescaled.
+    for the updated shift ``m``, and the running sums are rescaled.
     """
     m = st.m[..., r0:r1]
     need = (r > TAU) | (xp.isneginf(m) & ~xp.isneginf(r))
@@ -267,11 +268,9 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
     score tile of ``B * Hkv * tile*G * tile`` accumulation words.
     """
     xp = backend.array_module(st.qa)
-    qa, ws = st.qa, st.ws
-    dt = qa.dtype
-    E = qa.shape[-1] - 1
-    lead = qa.shape[:2]
-    fused = gk.use_fused(xp)
+    ws, dt = st.ws, st.qa.dtype
+    lead = st.qa.shape[:2]
+    tile_step = _tile_fused if fused.use_fused(xp) else _tile_generic
     ones = xp.ones(min(tile, max(k_idx.size, 1)), dtype=dt)
     for k0 in _tiles(k_idx.size, tile):
         k1 = min(k0 + tile, k_idx.size)
@@ -279,23 +278,38 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
         vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
         kb = None if bias is None else bias[..., k0:k1]
         for r0, r1, vis, pos in _query_tiles(q_pos, k_idx[k0:k1], group, tile, causal):
-            rows = lead + (r1 - r0,)
-            m = st.m[..., r0:r1]
-            if fused:
-                qa[..., r0:r1, E] = 0
-            else:  # S = scores - m (0 where m = -inf), straight from the GEMM
-                qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)
-            S = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("S", rows + (k1 - k0,), dt))
-            _add_masks(xp, S, kb, vis, pos, group, k_idx[k0:k1])
-            pv = ws.get("pv", rows + (vc.shape[-1],), dt)
-            if fused:
-                alpha = gk.softmax_step_(S, m, st.l[..., r0:r1])
-                gk.rescale_add_(st.o[..., r0:r1, :], alpha, xp.matmul(S, vc, out=pv))
-                continue
-            _rebase(xp, st, S, S.max(axis=-1, out=ws.get("r", rows, dt)), r0, r1)
-            xp.exp(S, out=S)
-            st.l[..., r0:r1] += xp.matmul(S, ones[:k1 - k0], out=ws.get("rowsum", rows, dt))
-            st.o[..., r0:r1, :] += xp.matmul(S, vc, out=pv)
+            def masks(S: Any) -> None:
+                _add_masks(xp, S, kb, vis, pos, group, k_idx[k0:k1])
+
+            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, masks, ones[:k1 - k0])
+
+
+def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
+                  masks: Any, ones: Any) -> None:
+    """One score tile, generic array code: GEMM with the shift folded in, lazy rescale, exp, GEMMs."""
+    ws, dt = st.ws, st.qa.dtype
+    E = st.qa.shape[-1] - 1
+    m = st.m[..., r0:r1]
+    st.qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)  # S = scores - m straight from the GEMM
+    S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
+    masks(S)
+    _rebase(xp, st, S, S.max(axis=-1, out=ws.get("r", rows, dt)), r0, r1)
+    xp.exp(S, out=S)
+    st.l[..., r0:r1] += xp.matmul(S, ones, out=ws.get("rowsum", rows, dt))
+    st.o[..., r0:r1, :] += xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
+
+
+def _tile_fused(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
+                masks: Any, ones: Any) -> None:
+    """One score tile with the fused CuPy kernels (exact running maximum)."""
+    ws, dt = st.ws, st.qa.dtype
+    E = st.qa.shape[-1] - 1
+    st.qa[..., r0:r1, E] = 0
+    S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
+    masks(S)
+    alpha = fused.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
+    pv = xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
+    fused.rescale_add_(st.o[..., r0:r1, :], alpha, pv)
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:

@@ -6,15 +6,15 @@ the whole score tile, so for head dimensions of 64-128 those passes, not
 the GEMMs, bound the speed. The functions here do the same arithmetic in
 fewer passes. Each takes NumPy or CuPy arrays: on NumPy (or unless
 ``MPIATTN_FUSED_KERNELS=1``) it runs the generic version in
-:data:`reference`, on CuPy the fused kernel, compiled on first use.
-:mod:`mpiattn.kernels` switches them in when :func:`use_fused` says so.
+:data:`generic`, on CuPy the fused kernel, compiled on first use.
+:mod:`mpiattn.kernels.native` switches them in when :func:`use_fused` says so.
 They are opt-in until ``jobs/gpu_check.sh`` has compared them with the
 generic code on a real GPU (no session so far had one).
 
 Shapes: ``S``, ``P``, ``dP`` are score tiles ``(..., r, k)`` (``r`` query
 rows, ``k`` keys), C-contiguous where noted; per-row arrays ``m``, ``l``,
 ``alpha``, ``rowsum``, ``lse``, ``D`` are ``(..., r)`` and may be strided
-views (as ``st.m[..., r0:r1]`` in :func:`mpiattn.kernels.forward_block`);
+views (as ``st.m[..., r0:r1]`` in :func:`mpiattn.kernels.native.forward_block`);
 ``O``, ``PV`` are ``(..., r, Ev)``. float32 or float64, all of one dtype.
 
 Masked scores are ``-inf``. A row whose running maximum is ``-inf`` (it has
@@ -26,10 +26,8 @@ Forward, per tile (replaces the lines from ``m_new = ...`` to ``o += ...``)::
     alpha = softmax_step_(S, m, l)          # S <- P, m <- m', l <- alpha l + rowsum P
     rescale_add_(o, alpha, S @ v)           # o <- alpha o + P V
 
-Backward, per tile::
-
-    exp_sub_(P, lse)                        # P <- exp(S - lse)   (lse = +inf: P = 0)
-    softmax_grad_(dP, P, D)                 # dP <- P (dP - D)    (dS, in place)
+(Only the forward pass has fused kernels: the backward's elementwise work
+per score is one exp and one multiply, already folded around its GEMMs.)
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from . import backend
+from .. import backend
 
-__all__ = ["use_fused", "softmax_step_", "exp_sub_rowmax_", "rescale_", "rescale_add_",
-           "exp_sub_", "softmax_grad_", "reference"]
+__all__ = ["use_fused", "softmax_step_", "rescale_add_", "generic"]
 
 
 def use_fused(xp: Any) -> bool:
@@ -51,7 +48,7 @@ def use_fused(xp: Any) -> bool:
     return xp is not np and os.environ.get("MPIATTN_FUSED_KERNELS", "0") == "1"
 
 
-# ----------------------------------------------------------------- reference
+# ------------------------------------------------------------------- generic
 def _shift(xp: Any, m: Any) -> Any:
     return xp.where(xp.isneginf(m), m.dtype.type(0), m)
 
@@ -69,39 +66,13 @@ def _ref_softmax_step_(S: Any, m: Any, l: Any) -> Any:
     return alpha
 
 
-def _ref_exp_sub_rowmax_(S: Any, m_new: Any) -> Any:
-    xp = backend.array_module(S)
-    S -= _shift(xp, m_new)[..., None]
-    xp.exp(S, out=S)
-    return S.sum(axis=-1)
-
-
-def _ref_rescale_(O: Any, l: Any, alpha: Any, rowsum: Any) -> None:
-    O *= alpha[..., None]
-    l *= alpha
-    l += rowsum
-
-
 def _ref_rescale_add_(O: Any, alpha: Any, PV: Any) -> None:
     O *= alpha[..., None]
     O += PV
 
 
-def _ref_exp_sub_(P: Any, lse: Any) -> None:
-    xp = backend.array_module(P)
-    P -= lse[..., None]
-    xp.exp(P, out=P)
-
-
-def _ref_softmax_grad_(dP: Any, P: Any, D: Any) -> None:
-    dP -= D[..., None]
-    dP *= P
-
-
 #: The generic (any-backend) versions, same signatures, for checks and NumPy.
-reference = types.SimpleNamespace(
-    softmax_step_=_ref_softmax_step_, exp_sub_rowmax_=_ref_exp_sub_rowmax_, rescale_=_ref_rescale_,
-    rescale_add_=_ref_rescale_add_, exp_sub_=_ref_exp_sub_, softmax_grad_=_ref_softmax_grad_)
+generic = types.SimpleNamespace(softmax_step_=_ref_softmax_step_, rescale_add_=_ref_rescale_add_)
 
 
 # ------------------------------------------------------------------- kernels
@@ -134,22 +105,17 @@ __device__ T block_reduce(T v, bool is_max, T* red) {
     return v;
 }
 
-// One block per row of S (rows x k, C-contiguous).
-// full = 1: m_in is the running max; m' = max(m_in, rowmax S) goes to m_out,
-//           exp(m_in - shift) to alpha.
-// full = 0: m_in already is m' (m_out and alpha untouched).
-// Always: S <- exp(S - shift), rowsum <- sum of it; shift = m' or 0 when m' = -inf.
+// One block per row of S (rows x k, C-contiguous). m_in is the running max;
+// m' = max(m_in, rowmax S) goes to m_out, exp(m_in - shift) to alpha,
+// S <- exp(S - shift), rowsum <- sum of it; shift = m' or 0 when m' = -inf.
 extern "C" __global__ void softmax_rows(T* S, const T* m_in, T* m_out, T* alpha, T* rowsum,
-                                        long long k, int full) {
+                                        long long k) {
     __shared__ T red[32];
     T* s = S + (long long)blockIdx.x * k;
     T m_old = m_in[blockIdx.x];
-    T m_new = m_old;
-    if (full) {
-        T mx = NEG_INF;
-        for (long long j = threadIdx.x; j < k; j += blockDim.x) mx = vmax(mx, s[j]);
-        m_new = vmax(m_old, block_reduce(mx, true, red));
-    }
+    T mx = NEG_INF;
+    for (long long j = threadIdx.x; j < k; j += blockDim.x) mx = vmax(mx, s[j]);
+    T m_new = vmax(m_old, block_reduce(mx, true, red));
     T shift = (m_new == NEG_INF) ? (T)0 : m_new;
     T sum = 0;
     for (long long j = threadIdx.x; j < k; j += blockDim.x) {
@@ -160,10 +126,8 @@ extern "C" __global__ void softmax_rows(T* S, const T* m_in, T* m_out, T* alpha,
     sum = block_reduce(sum, false, red);
     if (threadIdx.x == 0) {
         rowsum[blockIdx.x] = sum;
-        if (full) {
-            m_out[blockIdx.x] = m_new;
-            alpha[blockIdx.x] = EXP(m_old - shift);
-        }
+        m_out[blockIdx.x] = m_new;
+        alpha[blockIdx.x] = EXP(m_old - shift);
     }
 }
 """
@@ -186,10 +150,7 @@ def _elementwise(cp: Any, name: str) -> Any:
     if name not in _CACHE:
         spec = {
             "scale_add": ("T a, T pv", "T o", "o = a * o + pv"),
-            "scale": ("T a", "T o", "o = a * o"),
             "axpy": ("T a, T r", "T l", "l = a * l + r"),
-            "exp_sub": ("T lse", "T p", "p = exp(p - lse)"),
-            "grad": ("T p, T d", "T dp", "dp = p * (dp - d)"),
         }[name]
         _CACHE[name] = cp.ElementwiseKernel(*spec, name=f"mpiattn_{name}")
     return _CACHE[name]
@@ -207,18 +168,18 @@ def _check(S: Any, *rows: Any) -> np.dtype:
     return dt
 
 
-def _launch_rows(S: Any, m_in: Any, full: bool) -> tuple[Any, Any, Any]:
+def _launch_rows(S: Any, m_in: Any) -> tuple[Any, Any, Any]:
     cp = backend.array_module(S)
     dt = np.dtype(S.dtype)
     k = S.shape[-1] if S.ndim else 1
     m_in = cp.ascontiguousarray(m_in)
     rowsum = cp.empty(m_in.shape, dtype=dt)
-    m_out = cp.empty(m_in.shape, dtype=dt) if full else rowsum
-    alpha = cp.empty(m_in.shape, dtype=dt) if full else rowsum
+    m_out = cp.empty(m_in.shape, dtype=dt)
+    alpha = cp.empty(m_in.shape, dtype=dt)
     rows = int(m_in.size)
     if rows:
         threads = 128 if k <= 1024 else 256
-        _rows_kernel(cp, dt)((rows,), (threads,), (S, m_in, m_out, alpha, rowsum, np.int64(k), np.int32(full)))
+        _rows_kernel(cp, dt)((rows,), (threads,), (S, m_in, m_out, alpha, rowsum, np.int64(k)))
     return m_out, alpha, rowsum
 
 
@@ -249,45 +210,10 @@ def softmax_step_(S: Any, m: Any, l: Any) -> Any:
         return _ref_softmax_step_(S, m, l)
     _check(S, m, l)
     cp = backend.array_module(S)
-    m_new, alpha, rowsum = _launch_rows(S, m, True)
+    m_new, alpha, rowsum = _launch_rows(S, m)
     _elementwise(cp, "axpy")(alpha, rowsum, l)
     m[...] = m_new
     return alpha
-
-
-def exp_sub_rowmax_(S: Any, m_new: Any) -> Any:
-    """``S <- exp(S - m_new[..., None])`` in place (shift 0 where ``m_new = -inf``); returns the row sums.
-
-    Parameters
-    ----------
-    S : (..., r, k) float32/float64, C-contiguous
-    m_new : (..., r)
-        The new running maximum (at least each row's maximum).
-
-    Returns
-    -------
-    rowsum : (..., r)
-    """
-    if not use_fused(backend.array_module(S)):
-        return _ref_exp_sub_rowmax_(S, m_new)
-    _check(S, m_new)
-    return _launch_rows(S, m_new, False)[2]
-
-
-def rescale_(O: Any, l: Any, alpha: Any, rowsum: Any) -> None:
-    """``O <- alpha[..., None] O`` and ``l <- alpha l + rowsum``, in place.
-
-    Parameters
-    ----------
-    O : (..., r, Ev)
-    l, alpha, rowsum : (..., r)
-    """
-    xp = backend.array_module(O)
-    if not use_fused(xp):
-        return _ref_rescale_(O, l, alpha, rowsum)
-    _elementwise(xp, "scale")(alpha[..., None], O)
-    _elementwise(xp, "axpy")(alpha, rowsum, l)
-    return None
 
 
 def rescale_add_(O: Any, alpha: Any, PV: Any) -> None:
@@ -302,38 +228,4 @@ def rescale_add_(O: Any, alpha: Any, PV: Any) -> None:
     if not use_fused(xp):
         return _ref_rescale_add_(O, alpha, PV)
     _elementwise(xp, "scale_add")(alpha[..., None], PV, O)
-    return None
-
-
-def exp_sub_(P: Any, lse: Any) -> None:
-    """``P <- exp(P - lse[..., None])`` in place (backward: scores to probabilities).
-
-    Parameters
-    ----------
-    P : (..., r, k)
-        Scores, masked entries -inf.
-    lse : (..., r)
-        Log-sum-exp from the forward pass; ``+inf`` for rows that saw no key
-        (their probabilities become exactly 0).
-    """
-    xp = backend.array_module(P)
-    if not use_fused(xp):
-        return _ref_exp_sub_(P, lse)
-    _elementwise(xp, "exp_sub")(lse[..., None], P)
-    return None
-
-
-def softmax_grad_(dP: Any, P: Any, D: Any) -> None:
-    """``dP <- P (dP - D[..., None])`` in place: the score gradient ``dS``.
-
-    Parameters
-    ----------
-    dP, P : (..., r, k)
-    D : (..., r)
-        ``rowsum(dO * O)``.
-    """
-    xp = backend.array_module(dP)
-    if not use_fused(xp):
-        return _ref_softmax_grad_(dP, P, D)
-    _elementwise(xp, "grad")(P, D[..., None], dP)
     return None

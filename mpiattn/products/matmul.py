@@ -13,7 +13,7 @@ matmul_tn  (..., m_r, N)   (..., m_r, d)   (..., n_r, d)  Aᵀ·B  ring reduce-s
 ========== =============== =============== ==================== =================
 
 ``N = sum(n_r)`` and ``M = sum(m_r)`` are global lengths, each laid out by the
-layout. nt and nn stream B's rows round the ring with :meth:`Comm.circulate`
+layout. nt and nn stream B's rows round the ring with :func:`mpiattn.comm.circulate`
 (the next piece in flight while the current one is multiplied). tn sends no
 operand: partial sums of the output rows travel round the ring and come home
 (O(block·d) words in flight per rank, never a full-size allreduce).
@@ -51,206 +51,19 @@ combinations of the result, ``L_b`` those of ``b``, ``k`` = block size, and
 
 from __future__ import annotations
 
-import math
-import operator
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import backend
-from .comm import Comm, get_comm
-from .layouts import check_layout, check_shares, local_lengths
+from .. import backend
+from ..comm.core import Comm, get_comm
+from ..comm.ring import circulate
+from ..layouts import local_lengths
+from .plan import Plan, Shape, gather_meta, plan_nn, plan_nt, plan_tn
 
 __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
-           "matmul_nt_backward", "matmul_nn_backward", "matmul_tn_backward",
-           "PIECE_BYTES", "default_block_size"]
-
-#: Target bytes of one travelling piece when ``block_size`` is None (16 MiB).
-PIECE_BYTES = 16 * 2**20
-
-Shape = tuple[int, ...]
-
-
-# ---------------------------------------------------------------- validation
-def default_block_size(max_rows: int, row_bytes: int, piece_bytes: int | None = None) -> int:
-    """Rows per travelling piece chosen when ``block_size`` is None.
-
-    Parameters
-    ----------
-    max_rows : int
-        The longest shard of the travelling rows (no piece needs more).
-    row_bytes : int
-        Bytes of one travelling row, all leading axes included.
-    piece_bytes : int, optional
-        Memory target of one piece (default :data:`PIECE_BYTES`).
-
-    Returns
-    -------
-    int
-        ``clip(piece_bytes // row_bytes, 1, max(1, max_rows))``.
-    """
-    if piece_bytes is None:
-        piece_bytes = PIECE_BYTES
-    cap = max(1, int(max_rows))
-    if row_bytes <= 0:
-        return cap
-    return max(1, min(cap, int(piece_bytes) // int(row_bytes)))
-
-
-def _check_array(x: Any, name: str, op: str) -> None:
-    if isinstance(x, (np.ma.MaskedArray, np.matrix)):
-        raise TypeError(f"{op}: {name} is a {type(x).__name__}; pass a plain numpy.ndarray "
-                        "(masks and matrix semantics are not supported)")
-    try:
-        backend.array_module(x)
-    except TypeError as exc:
-        raise TypeError(f"{op}: {name}: {exc}") from None
-    backend.check_dtype(x.dtype, f"{op}: {name}")
-    if x.ndim < 2:
-        raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected at least 2 dimensions "
-                         "(..., rows, columns) with the sharded rows on axis -2")
-
-
-def _check_block_size(block_size: Any, op: str) -> int | None:
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool):
-        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}")
-    try:
-        k = operator.index(block_size)
-    except TypeError:
-        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}") from None
-    if k < 1:
-        raise ValueError(f"{op}: block_size must be >= 1, got {k}")
-    return k
-
-
-def _gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any,
-                 block_size: Any) -> tuple[ModuleType, np.dtype, list[list[Shape]], str, int | None]:
-    """Local checks and the metadata allgather (one collective), then the cross-rank checks.
-
-    Returns the namespace, the common dtype, ``shapes[i][r]`` (operand i on
-    rank r), the layout and the requested block size (None for the default).
-    """
-    names = [nm for nm, _ in arrays]
-
-    def local() -> tuple:
-        check_layout(layout)
-        blk = _check_block_size(block_size, op)
-        for nm, x in arrays:
-            _check_array(x, nm, op)
-        backend.array_module(*(x for _, x in arrays))
-        dtypes = {nm: np.dtype(x.dtype) for nm, x in arrays}
-        if len(set(dtypes.values())) > 1:
-            listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
-            raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
-        return (layout, blk, str(arrays[0][1].dtype),
-                tuple(tuple(int(s) for s in x.shape) for _, x in arrays))
-
-    # local checks and the metadata allgather in one collective: a local error
-    # becomes the same exception on every rank
-    meta_all = c.allgather_checked(local)
-    xp = backend.array_module(*(x for _, x in arrays))
-    dtype = np.dtype(arrays[0][1].dtype)
-    # From here on every rank holds the same data and runs the same pure checks,
-    # so they raise the same error everywhere without further communication.
-    layout0, block0, dtype0, _ = meta_all[0]
-    block_size = block0
-    for r, (lay, blk, dt, _) in enumerate(meta_all):
-        if lay != layout0:
-            raise ValueError(f"{op}: layout differs between ranks: {lay!r} on rank {r}, {layout0!r} on rank 0")
-        if blk != block0:
-            raise ValueError(f"{op}: block_size differs between ranks: {blk!r} on rank {r}, {block0!r} on rank 0")
-        if dt != dtype0:
-            raise TypeError(f"{op}: dtype differs between ranks: {dt} on rank {r}, {dtype0} on rank 0")
-    shapes = [[m[3][i] for m in meta_all] for i in range(len(names))]
-    for nm, per_rank in zip(names, shapes):
-        _same_except_rows(per_rank, nm, op)
-    return xp, dtype, shapes, layout, block_size
-
-
-def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
-    s0 = shapes[0]
-    for r, s in enumerate(shapes):
-        if len(s) != len(s0) or s[:-2] != s0[:-2] or s[-1] != s0[-1]:
-            raise ValueError(
-                f"{op}: {name} has shape {s} on rank {r} but {s0} on rank 0; only axis -2 "
-                "(the sharded rows) may differ between ranks")
-
-
-def _row_counts(shapes: list[Shape], name: str, op: str, layout: str) -> list[int]:
-    """Each rank's rows of an operand; they must be the layout's shares of their sum."""
-    counts = [s[-2] for s in shapes]
-    check_shares(counts, layout, f"{op}: {name}")
-    return counts
-
-
-def _broadcast_lead(sa: Shape, sb: Shape, op: str) -> Shape:
-    try:
-        return tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
-    except ValueError:
-        raise ValueError(f"{op}: leading axes of a {sa[:-2]} and b {sb[:-2]} do not broadcast "
-                         "(numpy.matmul rules)") from None
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one ring needs, identical on every rank except ``out_rows``."""
-
-    lead: Shape     # broadcast leading shape of the result
-    n_ring: int     # global rows that travel: B's rows (nt, nn) or the output rows (tn)
-    out_rows: int   # this rank's rows of the result
-    out_cols: int   # last dimension of the result
-    block: int      # rows per travelling piece
-
-
-def _block(block_size: int | None, counts: list[int], row_bytes: int) -> int:
-    if block_size is not None:
-        return block_size
-    return default_block_size(max(counts, default=0), row_bytes)
-
-
-def _plan_nt(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
-             dtype: np.dtype, op: str = "matmul_nt", names: tuple[str, str] = ("a", "b")) -> _Plan:
-    d_a, d_b = sa[0][-1], sb[0][-1]
-    if d_a != d_b:
-        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {d_a} columns, {names[1]} has "
-                         f"{d_b} (A·Bᵀ needs equal column counts)")
-    n = _row_counts(sa, names[0], op, layout)
-    m = _row_counts(sb, names[1], op, layout)
-    lead = _broadcast_lead(sa[0], sb[0], op)
-    row_bytes = math.prod(sb[0][:-2]) * d_b * dtype.itemsize
-    return _Plan(lead, sum(m), n[rank], sum(m), _block(block_size, m, row_bytes))
-
-
-def _plan_nn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
-             dtype: np.dtype, op: str = "matmul_nn", names: tuple[str, str] = ("a", "b")) -> _Plan:
-    n = _row_counts(sa, names[0], op, layout)
-    m = _row_counts(sb, names[1], op, layout)
-    if sa[0][-1] != sum(m):
-        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {sa[0][-1]} columns, but "
-                         f"{names[1]}'s rows add up to {sum(m)} over all ranks (A·B needs equal)")
-    lead = _broadcast_lead(sa[0], sb[0], op)
-    d = sb[0][-1]
-    row_bytes = math.prod(sb[0][:-2]) * d * dtype.itemsize
-    return _Plan(lead, sum(m), n[rank], d, _block(block_size, m, row_bytes))
-
-
-def _plan_tn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
-             dtype: np.dtype, op: str = "matmul_tn", names: tuple[str, str] = ("a", "b")) -> _Plan:
-    for r, (x, y) in enumerate(zip(sa, sb)):
-        if x[-2] != y[-2]:
-            raise ValueError(f"{op}: inner dimensions differ: on rank {r} {names[0]} has {x[-2]} rows "
-                             f"and {names[1]} has {y[-2]} (Aᵀ·B needs the same rows of both)")
-    _row_counts(sa, names[0], op, layout)
-    n_out = sa[0][-1]
-    out_counts = local_lengths(n_out, len(sa), layout)
-    lead = _broadcast_lead(sa[0], sb[0], op)
-    d = sb[0][-1]
-    row_bytes = math.prod(lead) * d * backend.accum_dtype(dtype).itemsize
-    return _Plan(lead, n_out, out_counts[rank], d, _block(block_size, out_counts, row_bytes))
+           "matmul_nt_backward", "matmul_nn_backward", "matmul_tn_backward"]
 
 
 # --------------------------------------------------------------- ring kernels
@@ -262,33 +75,33 @@ def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
         out[...] = xp.matmul(x, y)
 
 
-def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
     work = backend.accum_dtype(a.dtype)
     out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
     a_w = a.astype(work, copy=False)
     with c.abort_on_error():
-        for piece in c.circulate((b,), plan.n_ring, layout, plan.block):
+        for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
             b_w = piece.data[0].astype(work, copy=False)
             _matmul_into(xp, a_w, xp.swapaxes(b_w, -1, -2), out[..., piece.start:piece.stop])
     return out
 
 
-def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     with c.abort_on_error():
-        for piece in c.circulate((b,), plan.n_ring, layout, plan.block):
+        for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
             a_cols = a[..., piece.start:piece.stop].astype(work, copy=False)
             acc += xp.matmul(a_cols, piece.data[0].astype(work, copy=False))
     return acc.astype(a.dtype, copy=False)
 
 
-def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: _Plan, layout: str) -> Any:
+def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     b_w = b.astype(work, copy=False)
     with c.abort_on_error():
-        for piece in c.circulate((), plan.n_ring, layout, plan.block, acc_out=(acc,)):
+        for piece in circulate(c, (), plan.n_ring, layout, plan.block, acc_out=(acc,)):
             a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(work, copy=False)
             partial = piece.acc[0]  # a view: add in place (never rebind the tuple item)
             partial += xp.matmul(a_cols_t, b_w)
@@ -346,8 +159,8 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_nt"
-    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
-    plan = _plan_nt(sa, sb, layout, c.rank, block, dtype)
+    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = plan_nt(sa, sb, layout, c.rank, block, dtype)
     return _ring_nt(c, xp, a, b, plan, layout)
 
 
@@ -379,8 +192,8 @@ def matmul_nn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_nn"
-    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
-    plan = _plan_nn(sa, sb, layout, c.rank, block, dtype)
+    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = plan_nn(sa, sb, layout, c.rank, block, dtype)
     return _ring_nn(c, xp, a, b, plan, layout)
 
 
@@ -417,8 +230,8 @@ def matmul_tn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_tn"
-    xp, dtype, (sa, sb), layout, block = _gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
-    plan = _plan_tn(sa, sb, layout, c.rank, block, dtype)
+    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    plan = plan_tn(sa, sb, layout, c.rank, block, dtype)
     return _ring_tn(c, xp, a, b, plan, layout)
 
 
@@ -459,13 +272,13 @@ def matmul_nt_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
     """
     c = get_comm(comm)
     op = "matmul_nt_backward"
-    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+    xp, dtype, (sdc, sa, sb), layout, block = gather_meta(
         c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
-    fwd = _plan_nt(sa, sb, layout, c.rank, block, dtype, op)
+    fwd = plan_nt(sa, sb, layout, c.rank, block, dtype, op)
     want = [fwd.lead + (s[-2], fwd.out_cols) for s in sa]
     _check_dc(sdc, want, op, "matmul_nt")
-    plan_a = _plan_nn(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
-    plan_b = _plan_tn(sdc, sa, layout, c.rank, block, dtype, op, ("dc", "a"))
+    plan_a = plan_nn(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
+    plan_b = plan_tn(sdc, sa, layout, c.rank, block, dtype, op, ("dc", "a"))
     da = _ring_nn(c, xp, dc, b, plan_a, layout)
     db = _ring_tn(c, xp, dc, a, plan_b, layout)
     return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
@@ -500,13 +313,13 @@ def matmul_nn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
     """
     c = get_comm(comm)
     op = "matmul_nn_backward"
-    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+    xp, dtype, (sdc, sa, sb), layout, block = gather_meta(
         c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
-    fwd = _plan_nn(sa, sb, layout, c.rank, block, dtype, op)
+    fwd = plan_nn(sa, sb, layout, c.rank, block, dtype, op)
     want = [fwd.lead + (s[-2], fwd.out_cols) for s in sa]
     _check_dc(sdc, want, op, "matmul_nn")
-    plan_a = _plan_nt(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
-    plan_b = _plan_tn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
+    plan_a = plan_nt(sdc, sb, layout, c.rank, block, dtype, op, ("dc", "b"))
+    plan_b = plan_tn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
     da = _ring_nt(c, xp, dc, b, plan_a, layout)
     db = _ring_tn(c, xp, a, dc, plan_b, layout)
     return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
@@ -541,14 +354,14 @@ def matmul_tn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
     """
     c = get_comm(comm)
     op = "matmul_tn_backward"
-    xp, dtype, (sdc, sa, sb), layout, block = _gather_meta(
+    xp, dtype, (sdc, sa, sb), layout, block = gather_meta(
         c, op, [("dc", dc), ("a", a), ("b", b)], layout, block_size)
-    fwd = _plan_tn(sa, sb, layout, c.rank, block, dtype, op)
+    fwd = plan_tn(sa, sb, layout, c.rank, block, dtype, op)
     n_out, P = fwd.n_ring, len(sa)
     want = [fwd.lead + (n_r, fwd.out_cols) for n_r in local_lengths(n_out, P, layout)]
     _check_dc(sdc, want, op, "matmul_tn")
-    plan_a = _plan_nt(sb, sdc, layout, c.rank, block, dtype, op, ("b", "dc"))
-    plan_b = _plan_nn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
+    plan_a = plan_nt(sb, sdc, layout, c.rank, block, dtype, op, ("b", "dc"))
+    plan_b = plan_nn(sa, sdc, layout, c.rank, block, dtype, op, ("a", "dc"))
     da = _ring_nt(c, xp, b, dc, plan_a, layout)
     db = _ring_nn(c, xp, a, dc, plan_b, layout)
     return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)

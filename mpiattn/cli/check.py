@@ -1,4 +1,4 @@
-"""A single-process float64 reference for attention and its gradients.
+"""``--check``: exact single-process float64 attention and its gradients.
 
 Plain NumPy on *global* arrays, with the score matrix materialised one block
 of query rows at a time. It is deliberately simple (no online softmax, no
@@ -25,11 +25,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Reference", "reference", "reference_nbytes"]
+__all__ = ["Exact", "exact_attention", "exact_nbytes"]
 
 
-class Reference(NamedTuple):
-    """Reference results, all float64 NumPy arrays.
+class Exact(NamedTuple):
+    """Exact results, all float64 NumPy arrays.
 
     Attributes
     ----------
@@ -45,8 +45,8 @@ class Reference(NamedTuple):
     dv: np.ndarray | None
 
 
-def reference_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int = 256) -> int:
-    """Rough peak memory (bytes) of :func:`reference` for global shapes ``q``, ``k``, ``v``.
+def exact_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int = 256) -> int:
+    """Rough peak memory (bytes) of :func:`exact_attention` for global shapes ``q``, ``k``, ``v``.
 
     Counts the float64 copies of the inputs, the outputs with gradients, and
     a few ``block_rows x M`` score blocks.
@@ -57,9 +57,9 @@ def reference_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows:
     return 8 * int(words)
 
 
-def reference(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
+def exact_attention(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
               scale: float | None = None, key_padding_mask: Any = None,
-              block_rows: int = 256) -> Reference:
+              block_rows: int = 256) -> Exact:
     """Exact attention (and, with ``dout``, its gradients) in float64 on one process.
 
     Parameters
@@ -81,7 +81,7 @@ def reference(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
 
     Returns
     -------
-    Reference
+    Exact
         ``out`` (B, H, N, Ev), ``lse`` (B, H, N) and the gradients, float64.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -131,4 +131,4 @@ def reference(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
                     dS = P * (dP - (dP * P).sum(axis=1, keepdims=True))
                     dq[b, h, i0:i1] = s * (dS @ k[b, kv])
                     dk[b, kv] += s * (dS.T @ q[b, h, i0:i1])
-    return Reference(out, lse, dq, dk, dv)
+    return Exact(out, lse, dq, dk, dv)

@@ -1,0 +1,161 @@
+"""The commands: ``example`` (the default), ``run``, ``make-data``, ``info``."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from .. import gpu, io
+from ..io import datagen
+from ..layouts import all_segments
+from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError, agreed, local_errors
+from .steps import Timer, gpu_status, host_names, run_file, world_comm
+
+
+
+# ----------------------------------------------------------------- commands
+def cmd_run(args: Any, con: Console) -> int:
+    """``mpiattn run INPUT -o OUTPUT``."""
+    c = world_comm()
+    return run_file(c, con, args, args.input, args.output, args.force, {}, "run")
+
+
+def _example_input() -> Any:
+    """Context manager giving the path of the bundled example input (None when missing)."""
+    from importlib import resources
+
+    ref = resources.files("mpiattn").joinpath("data", "example.h5")
+    if not ref.is_file():
+        return contextlib.nullcontext(None)
+    return resources.as_file(ref)
+
+
+def cmd_example(args: Any, con: Console) -> int:
+    """The default command: the bundled example, forward + backward, causal, checked."""
+    c = world_comm()
+    output = args.output
+    with agreed():
+        exists = c.bcast_obj(os.path.lexists(output))  # rank 0 decides for everybody
+        attrs = io.read_attributes(output, c) if exists else {}
+    with agreed():  # exists and attrs come from rank 0: every rank decides alike
+        if attrs is None or (exists and not attrs.get(EXAMPLE_ATTR)):
+            raise FileExistsError(f"{os.path.abspath(output)} exists and is not an output of the "
+                                  "mpiattn example; refusing to overwrite it (move it away or run "
+                                  "in another directory)")
+    args.check, args.causal = True, None
+    with _example_input() as path:
+        with agreed():
+            missing = c.bcast_obj(path is None or not os.path.isfile(path))
+        if missing:
+            return _example_regenerated(c, con, args, output)
+        return run_file(c, con, args, str(path), output, True, {EXAMPLE_ATTR: 1}, "example")
+
+
+def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
+    """Bundled file missing (an unusual install): regenerate it (make-data), run, delete it."""
+    directory = os.path.dirname(os.path.abspath(output))
+    regen = c.bcast_obj(os.path.join(directory, f".mpiattn-example-in-{uuid.uuid4().hex[:8]}.h5"))
+    con.say("bundled example input missing: regenerating it with make-data (seed "
+            f"{EXAMPLE_SPEC['seed']})")
+    try:
+        _make_data(c, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=False)
+        return run_file(c, con, args, regen, output, True, {EXAMPLE_ATTR: 1}, "example")
+    finally:  # every rank has finished reading it once run_file returns or raises alike
+        if c.rank == 0 and os.path.exists(regen):
+            os.remove(regen)
+
+
+def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | None,
+               force: bool) -> tuple[Any, dict]:
+    spec = datagen.Spec(**spec_kw)
+    timer = Timer(c)
+    with agreed():
+        io.check_output(output, c, force=force)
+    with timer.phase("generate"), local_errors(c):
+        rows = {}
+        for name, (shape, axis) in spec.datasets().items():
+            segs = all_segments(shape[axis], c.size, "contiguous")[c.rank]
+            rows[name] = io.Rows(datagen.local_rows(spec, name, segs), shape[axis], axis)
+    attrs = {"causal": bool(causal), "scale": scale, "generator": "mpiattn make-data",
+             "mpiattn_version": __version__, "seed": spec.seed, "padding": spec.padding,
+             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    with agreed(), timer.phase("write"):
+        io.write_rows(output, rows, c, attrs=attrs, force=force)
+    return spec, timer.times
+
+
+def cmd_make_data(args: Any, con: Console) -> int:
+    """``mpiattn make-data OUTPUT ...``."""
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
+    spec_kw = dict(batch=args.batch, heads=args.heads, kv_heads=kv_heads, seq=args.seq,
+                   kv_seq=args.kv_seq or args.seq, dim=args.dim, value_dim=args.value_dim or args.dim,
+                   dtype=args.dtype, with_dout=args.with_dout, padding=args.padding, seed=args.seed)
+    c = world_comm()
+    spec, times = _make_data(c, args.output, spec_kw, args.causal, args.scale, args.force)
+    names = ", ".join(f"{n} {s}" for n, (s, _) in spec.datasets().items())
+    con.say(f"wrote {os.path.abspath(args.output)} on {c.size} rank(s): {names} ({spec.dtype}, "
+            f"seed {spec.seed}); " + ", ".join(f"{k} {v:.3g} s" for k, v in times.items()))
+    return 0
+
+
+def _transport_line(c: Any, any_gpu: bool) -> str:
+    """The CUDA-aware decision of :func:`mpiattn.gpu.describe_transport` (collective)."""
+    log = logging.getLogger("mpiattn.gpu")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its "staged" notice would repeat what info prints anyway
+    try:
+        summary = gpu.describe_transport(c)["summary"]  # collective; raises alike on every rank
+    except Exception as exc:  # noqa: BLE001 - info must not crash
+        return f"unknown ({type(exc).__name__}: {exc})"
+    finally:
+        log.setLevel(level)
+    return summary if any_gpu else f"{summary} [unused here: no usable GPU]"
+
+
+def cmd_info(args: Any, con: Console) -> int:
+    """``mpiattn info``: what this installation and this job see."""
+    import h5py
+    import mpi4py
+    from mpi4py import MPI
+
+    c = world_comm()
+    hosts = host_names(c)
+    status = c.allgather_obj(gpu_status())
+    gpus = [why for _, why in status]
+    transport = _transport_line(c, any(ok for ok, _ in status))
+    con.say(f"mpiattn    {__version__} (python {sys.version.split()[0]}, numpy {np.__version__})")
+    con.say(f"mpi4py     {mpi4py.__version__}; MPI {'.'.join(map(str, MPI.Get_version()))}: "
+            f"{' '.join(MPI.Get_library_version().splitlines()[0].split())}")
+    con.say(f"h5py       {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel HDF5: "
+            f"{'yes (mpio driver, collective writes)' if io.parallel_hdf5() else 'no (serial writes in turn)'}")
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    con.say(f"ranks      {c.size} on {len(by_host)} host(s): "
+            + "; ".join(f"{h} ({_ranges(rs)})" for h, rs in by_host.items()))
+    if len(set(gpus)) == 1:
+        con.say(f"GPUs       every rank: {gpus[0]}")
+    else:
+        con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
+    con.say(f"CUDA-aware {transport}")
+    return 0
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'."""
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)

@@ -1,0 +1,105 @@
+"""What every CLI module shares: constants, the usage error, rank 0's console, error agreement."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+
+
+#: Output of ``python -m mpiattn`` with no arguments (in the current directory).
+EXAMPLE_OUTPUT = "mpiattn-example-out.h5"
+#: Root attribute marking a file written by the example (the only kind it overwrites).
+EXAMPLE_ATTR = "mpiattn_example"
+#: make-data arguments of the bundled example (``mpiattn/data/example.h5``).
+EXAMPLE_SPEC = dict(batch=1, heads=4, kv_heads=2, seq=1024, kv_seq=1024, dim=16, value_dim=16,
+                    dtype="float32", with_dout=True, padding=0.1, seed=2024)
+#: Relative tolerance of ``--check`` per compute dtype (max error / max |reference|).
+CHECK_TOL = {"float16": 3e-2, "float32": 1e-4, "float64": 1e-10}
+#: Optional subcommands of other modules: name -> (module with add_arguments(parser) and
+#: run(args) -> exit code, one-line help). The module is imported only when its command runs.
+PLUGINS = {"bench": ("mpiattn.bench", "benchmarks: mpiattn against GEMM and peers (see bench --help)")}
+
+
+class UsageError(Exception):
+    """Bad command-line arguments (exit code 2)."""
+
+    def __init__(self, message: str, usage: str = ""):
+        super().__init__(message)
+        self.usage = usage
+
+
+def world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` and prints help on rank 0 only."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: error: {message}", self.format_usage())
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if world_rank() == 0:
+            super()._print_message(message, file)
+
+
+class Console:
+    """Rank 0's output: messages (unless quiet), errors, a progress bar on terminals."""
+
+    def __init__(self, rank: int, quiet: bool = False):
+        self.rank, self.quiet = rank, quiet
+        self.tty = rank == 0 and not quiet and sys.stdout.isatty()
+
+    def say(self, msg: str = "") -> None:
+        if self.rank == 0 and not self.quiet:
+            print(msg, flush=True)
+
+    def error(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"mpiattn: error: {msg}", file=sys.stderr, flush=True)
+
+    def progress(self, label: str) -> Callable[[int, int], None]:
+        """A ``progress(done, total)`` callback drawing a bar (a no-op off terminals)."""
+        last = [0.0]
+
+        def update(done: int, total: int) -> None:
+            if not self.tty:
+                return
+            now = time.monotonic()
+            if done < total and now - last[0] < 0.1:
+                return
+            last[0] = now
+            width = 30
+            fill = width * done // max(total, 1)
+            sys.stdout.write(f"\r  {label:9s}[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+            if done >= total:
+                sys.stdout.write("\n")
+            sys.stdout.flush()
+
+        return update
+
+
+# ----------------------------------------------------------------- error agreement
+@contextlib.contextmanager
+def agreed() -> Iterator[None]:
+    """Mark errors of the block as raised identically on every rank (a collective mpiattn call)."""
+    try:
+        yield
+    except Exception as exc:
+        exc.mpiattnagreed = True  # type: ignore[attr-defined]
+        raise
+
+
+@contextlib.contextmanager
+def local_errors(c: Any) -> Iterator[None]:
+    """A purely local block whose error is agreed on by all ranks."""
+    with agreed(), c.collective_errors():
+        yield
+
+

@@ -1,0 +1,150 @@
+"""The argument parser of ``python -m mpiattn`` (bounds checked before any work)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import math
+
+
+from .. import __version__
+from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
+
+
+
+# ----------------------------------------------------------------- argument types
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _finite_float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+# ----------------------------------------------------------------- the parser
+def _add_compute_options(p: argparse.ArgumentParser) -> None:
+    from .strategies import STRATEGIES
+
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto",
+                   help="distributed algorithm (default auto: chosen by a cost model)")
+    p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto",
+                   help="rows per rank; auto = zigzag when causal (load balance), else contiguous")
+    p.add_argument("--block-size", type=_positive_int, default=None, metavar="ROWS",
+                   help="rows per exchanged key/value block and score tile (default 512)")
+    p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto",
+                   help="where to compute: cpu (NumPy), gpu (CuPy, one GPU per rank), "
+                        "auto (gpu when CuPy and a GPU are usable on every rank; the default)")
+    p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None,
+                   help="how device buffers cross ranks (sets MPIATTN_GPU_TRANSPORT)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``mpiattn`` argument parser (every rank builds the same one).
+
+    Parameters
+    ----------
+    command : str, optional
+        The command about to be parsed: a plugin's full options (and its
+        import) are added only for its own command.
+    """
+    parser = Parser(prog="mpiattn", description="Exact attention over sequences sharded across "
+                     "MPI ranks. Without a command: run the bundled example (forward + backward, "
+                     "causal) and check it against a float64 reference.")
+    parser.add_argument("--version", action="version", version=f"mpiattn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ex = sub.add_parser("example", help="run the bundled example (the default command)")
+    ex.add_argument("-o", "--output", default=EXAMPLE_OUTPUT,
+                    help=f"output file (default ./{EXAMPLE_OUTPUT}; only an earlier example "
+                         "output is overwritten)")
+    _add_compute_options(ex)
+
+    run = sub.add_parser("run", help="compute attention (and gradients) for an HDF5 input")
+    run.add_argument("input", help="HDF5 file with q, k, v [, dout, key_padding_mask]")
+    run.add_argument("-o", "--output", required=True, help="HDF5 file to write")
+    causal = run.add_mutually_exclusive_group()
+    causal.add_argument("--causal", dest="causal", action="store_true", default=None,
+                        help="causal attention (default: the input's 'causal' attribute, else off)")
+    causal.add_argument("--no-causal", dest="causal", action="store_false")
+    run.add_argument("--scale", type=_finite_float, default=None,
+                     help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E))")
+    run.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
+                     help="compute dtype (default: that of the stored q, k, v)")
+    run.add_argument("--no-backward", action="store_true",
+                     help="skip the gradients even when the input has dout")
+    run.add_argument("--check", action="store_true",
+                     help="compare with a float64 single-process reference on gathered data")
+    run.add_argument("--check-limit-gib", type=_positive_float, default=4.0, metavar="GIB",
+                     help="skip --check when the reference would need more memory on rank 0 "
+                          "(default 4)")
+    run.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
+    run.add_argument("--allow-nonfinite", action="store_true",
+                     help="compute even if inputs hold NaN or Inf")
+    _add_compute_options(run)
+
+    mk = sub.add_parser("make-data", help="write a random input file, in parallel, deterministic "
+                        "for a seed whatever the number of ranks")
+    mk.add_argument("output", help="HDF5 file to write")
+    mk.add_argument("--batch", type=_positive_int, default=1, help="B (default 1)")
+    mk.add_argument("--heads", type=_positive_int, default=4, help="H query heads (default 4)")
+    mk.add_argument("--kv-heads", type=_positive_int, default=None, help="Hkv (default H)")
+    mk.add_argument("--seq", type=_positive_int, default=1024, help="N query rows (default 1024)")
+    mk.add_argument("--kv-seq", type=_positive_int, default=None, help="M key rows (default N)")
+    mk.add_argument("--dim", type=_positive_int, default=64, help="E (default 64)")
+    mk.add_argument("--value-dim", type=_positive_int, default=None, help="Ev (default E)")
+    mk.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
+    mk.add_argument("--with-dout", action="store_true", help="add dout (requests the backward)")
+    mk.add_argument("--padding", type=_fraction, default=0.0, metavar="FRAC",
+                    help="add a key_padding_mask with this fraction of padding keys")
+    mk.add_argument("--causal", action="store_true", help="set the file's causal attribute")
+    mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
+    mk.add_argument("--seed", type=_nonneg_int, default=0)
+    mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
+    mk.add_argument("--quiet", "-q", action="store_true")
+
+    sub.add_parser("info", help="versions, ranks, hosts, GPUs, CUDA-aware MPI, parallel HDF5")
+
+    for name, (module, text) in PLUGINS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        p = sub.add_parser(name, help=text)
+        if command == name:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+

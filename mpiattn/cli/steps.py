@@ -1,0 +1,266 @@
+"""Steps shared by the commands: device choice, compute, write, check, report."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import __version__
+from .. import gpu, io
+from ..strategies import DEFAULT_BLOCK, attention, attention_backward, choose_strategy
+from ..backend import to_host
+from ..comm.core import get_comm
+from ..sharding import gather
+from .check import exact_attention, exact_nbytes
+from .common import CHECK_TOL, Console, agreed, local_errors
+
+
+
+# ----------------------------------------------------------------- shared steps
+def world_comm() -> Any:
+    with agreed():
+        return get_comm()
+
+
+def host_names(c: Any) -> list[str]:
+    from mpi4py import MPI
+
+    return c.allgather_obj(MPI.Get_processor_name())
+
+
+_NO_CUPY = "none (cupy not installed)"
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(usable, description) of this rank's GPUs, never raising."""
+    if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
+        return False, _NO_CUPY
+    count, why = gpu.probe()
+    return (True, f"{count} visible") if count else (False, f"none ({why})")
+
+
+def select_device(c: Any, device: str, transport: str | None) -> tuple[Any, str]:
+    """(numpy or cupy, a note) for this run, agreed by every rank; binds one GPU per rank for cupy."""
+    if device == "cpu":
+        return np, ""
+    status = c.allgather_obj(gpu_status())
+    missing = [(r, why) for r, (ok, why) in enumerate(status) if not ok]
+    if missing:
+        where = f"rank {missing[0][0]}: {missing[0][1]}"
+        if device == "auto":  # silent on CPU-only installs, a note where CuPy is there but unusable
+            quiet = all(why == _NO_CUPY for _, why in missing)
+            return np, "" if quiet else f" (--device auto: no usable GPU on {where})"
+        with agreed():  # every rank knows (allgathered): all raise, no communication
+            raise RuntimeError(f"--device gpu: no usable GPU on {where}")
+    with agreed():
+        gpu.bind_device(c, transport=transport)  # one GPU per rank by node-local rank; chooses the transport
+        import cupy
+    return cupy, ""
+
+
+@dataclass
+class Settings:
+    """The effective settings of one run (identical on every rank)."""
+
+    causal: bool
+    scale: float | None
+    layout: str
+    strategy: str
+    block_size: int | None
+    xp: Any
+    device_note: str = ""
+
+    def strategy_used(self, inp: Any, P: int) -> str:
+        """What ``auto`` resolves to (the attention module's cost model), else the strategy."""
+        if self.strategy != "auto":
+            return self.strategy
+        _, H, _, E = inp.q.shape
+        Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
+        return choose_strategy(inp.n, inp.m, H, Hkv, E, Ev, P, self.block_size or DEFAULT_BLOCK)
+
+
+class Timer:
+    """Wall-clock phases delimited by barriers (so they cover the slowest rank)."""
+
+    def __init__(self, c: Any):
+        self.c, self.times = c, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.c.barrier()
+        t0 = time.perf_counter()
+        yield  # on an error (raised alike on every rank) the closing barrier is skipped everywhere
+        self.c.barrier()
+        self.times[name] = time.perf_counter() - t0
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {v:.3g} s" for k, v in self.times.items())
+
+
+def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
+             timer: Timer) -> dict[str, np.ndarray]:
+    """Forward (and backward): this rank's results as NumPy arrays."""
+    if st.xp is np:
+        move = np.asarray
+    else:
+        move = gpu.upload  # host slab -> device through a pinned buffer
+    q, k, v, dout, mask = (None if a is None else move(a)
+                           for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
+    kw = dict(causal=st.causal, scale=st.scale, key_padding_mask=mask, layout=st.layout,
+              strategy=st.strategy, block_size=st.block_size,
+              check_finite=False)  # read_input checked them (unless --allow-nonfinite)
+    with agreed():
+        with timer.phase("forward"):
+            out, lse = attention(q, k, v, c, progress=con.progress("forward"), **kw)
+        results = {"out": out, "lse": lse}
+        if backward:
+            with timer.phase("backward"):
+                dq, dk, dv = attention_backward(dout, q, k, v, out, lse, c,
+                                                progress=con.progress("backward"), **kw)
+            results.update(dq=dq, dk=dk, dv=dv)
+    return {name: to_host(x) for name, x in results.items()}
+
+
+def _write_results(c: Any, path: str, results: dict[str, np.ndarray], inp: Any, layout: str,
+                   attrs: dict, force: bool) -> None:
+    # each output keeps the number of dimensions of the input it derives from
+    like = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv": ("v", 0)}
+    rows = {}
+    for name, x in results.items():
+        source, fewer = like[name]
+        ndim = inp.stored_ndim[source] - fewer
+        y = x.reshape(x.shape[x.ndim - ndim:])  # drop the promoted leading axes of length 1
+        length = inp.m if name in ("dk", "dv") else inp.n
+        rows[name] = io.Rows(y, length, ndim - (1 if name == "lse" else 2))
+    with agreed():
+        io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force)
+
+
+def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
+           limit_gib: float) -> str:
+    """Gather everything to rank 0 and compare with :func:`mpiattn.cli.check.exact_attention`.
+
+    Returns the verdict line; raises RuntimeError on every rank when an error
+    exceeds the tolerance of the compute dtype (:data:`CHECK_TOL`).
+    """
+    B, H, _, E = inp.q.shape
+    Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
+    need = exact_nbytes((B, H, inp.n, E), (B, Hkv, inp.m, E), (B, Hkv, inp.m, Ev))
+    if need > limit_gib * 2**30:
+        return (f"skipped: the float64 check would need {need / 2**30:.1f} GiB on rank 0 "
+                f"(limit {limit_gib:g} GiB, --check-limit-gib)")
+    with agreed():
+        g = {name: gather(x, c, axis=-1 if name in ("lse", "key_padding_mask") else -2,
+                          layout=st.layout)
+             for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
+                             ("key_padding_mask", inp.key_padding_mask), *results.items()]
+             if x is not None}
+    dtype = str(inp.q.dtype)
+    tol = CHECK_TOL[dtype]
+    errors = None
+    if c.rank == 0:
+        ref = exact_attention(g["q"], g["k"], g["v"], g.get("dout") if "dq" in results else None,
+                        causal=st.causal, scale=st.scale, key_padding_mask=g.get("key_padding_mask"))
+        errors = {name: _rel_error(g[name], getattr(ref, name)) for name in results}
+    errors = c.bcast_obj(errors)
+    text = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+    with agreed():  # the errors were broadcast: every rank decides alike
+        if any(not e <= tol for e in errors.values()):
+            raise RuntimeError(f"check failed: relative errors {text} exceed the {dtype} "
+                               f"tolerance {tol:g}")
+    return f"max relative error vs float64: {text} (tolerance {tol:g}) OK"
+
+
+def _rel_error(x: np.ndarray, ref: np.ndarray) -> float:
+    """max |x - ref| / max |ref| over finite entries; inf when the infinities differ."""
+    x = np.asarray(x, dtype=np.float64)
+    fin = np.isfinite(ref)
+    if not np.array_equal(fin, np.isfinite(x)) or not np.array_equal(x[~fin], ref[~fin]):
+        return math.inf
+    if not fin.any():
+        return 0.0
+    return float(np.abs(x[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+
+
+def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: Any,
+            st: Settings, backward: bool) -> None:
+    """The report's first lines: what runs, on what, how."""
+    shape = lambda x, n: (x.shape[0], x.shape[1], n, x.shape[3])  # noqa: E731 - global shape
+    extras = [n for n in ("dout", "key_padding_mask") if getattr(inp, n) is not None]
+    scale = st.scale if st.scale is not None else f"1/sqrt({inp.q.shape[3]})"
+    strategy = st.strategy if st.strategy != "auto" else f"auto -> {st.strategy_used(inp, c.size)}"
+    con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
+            f"{'causal' if st.causal else 'non-causal'}, {c.size} rank(s) on {len(set(hosts))} host(s)")
+    con.say(f"  input    {path}")
+    con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
+            + (f" + {', '.join(extras)}" if extras else ""))
+    con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout}, strategy {strategy}, "
+            f"scale {scale}{st.device_note}")
+
+
+def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer) -> dict:
+    """Root attributes of the output file (see docs/file-format.md)."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
+            "strategy": st.strategy, "strategy_used": st.strategy_used(inp, c.size),
+            "layout": st.layout, "dtype": str(inp.q.dtype), "device": st.xp.__name__,
+            "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
+            "causal": st.causal,
+            "scale": st.scale if st.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
+            "block_size": st.block_size, "input_path": inp.info["path"],
+            "input_size": inp.info["size"], "input_mtime": inp.info["mtime"], "created": now,
+            "command": " ".join(["mpiattn", *sys.argv[1:]]),
+            **{f"time_{k}_s": v for k, v in timer.times.items()}}
+
+
+def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bool,
+              extra_attrs: dict, title: str) -> int:
+    """The body shared by ``run`` and ``example``: read, compute, write, check, report."""
+    timer = Timer(c)
+    with local_errors(c):  # rank 0 decides
+        if c.rank == 0 and os.path.exists(output) and os.path.exists(path) \
+                and os.path.samefile(path, output):
+            raise ValueError(f"the output {output} is the input file")
+    with agreed():
+        io.check_output(output, c, force=force)  # before any computing
+        attrs = io.read_attributes(path, c) or {}
+    causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal"))
+    layout = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
+    allow_nonfinite = getattr(args, "allow_nonfinite", False)
+    with agreed(), timer.phase("read"):
+        try:
+            inp = io.read_input(path, c, layout=layout, dtype=getattr(args, "dtype", None),
+                                check_finite=not allow_nonfinite)
+        except io.NonFiniteError as exc:
+            raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
+    xp, note = select_device(c, args.device, args.gpu_transport)
+    scale = inp.scale if getattr(args, "scale", None) is None else args.scale
+    st = Settings(causal, scale, layout, args.strategy, args.block_size, xp, note)
+    backward = inp.dout is not None and not getattr(args, "no_backward", False)
+    hosts = host_names(c)
+    _header(con, title, c, hosts, path, inp, st, backward)
+    results = _compute(c, con, inp, st, backward, timer)
+    with timer.phase("write"):
+        attrs_out = {**_output_attrs(c, inp, st, hosts, timer), **extra_attrs}
+        _write_results(c, output, results, inp, layout, attrs_out, force)
+    verdict = None
+    if getattr(args, "check", True):
+        with timer.phase("check"):
+            verdict = _check(c, results, inp, st, getattr(args, "check_limit_gib", 4.0))
+    con.say(f"  time     {timer.summary()}")
+    if verdict:
+        con.say(f"  check    {verdict}")
+    con.say(f"  output   {os.path.abspath(output)}: {', '.join(results)}")
+    return 0
+
+

@@ -1,0 +1,289 @@
+"""The Comm wrapper: point-to-point and row collectives on one duplicated communicator.
+
+Everything that crosses ranks goes through :class:`Comm`:
+
+* non-blocking point-to-point of contiguous arrays (``isend``/``irecv``), on
+  which the ring pipeline (:mod:`mpiattn.comm.ring`) is built;
+* row-wise collectives on contiguous buffers with explicit datatypes:
+  ``gatherv_rows``, ``allgatherv_rows``, ``reduce_scatterv_rows``,
+  ``alltoallv_rows``, ``allreduce_``;
+* collective error agreement (:mod:`mpiattn.comm.errors`) as methods.
+
+CuPy buffers go through the Comm's ``device_transport``, which
+:func:`mpiattn.comm.device.prepare` sets at a collective point of a public
+call (every rank there) before any device buffer is sent; a Comm never
+decides it inside a send.
+
+``bytes_sent`` counts the payload bytes this rank hands to MPI for other
+ranks (benchmarks read it; it costs one integer addition per call).
+
+``import mpiattn`` does not import ``mpi4py.MPI`` (which would initialise
+MPI). :func:`get_comm` duplicates the user's communicator on first use and
+caches the duplicate, so library traffic never matches user messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import backend
+from . import errors
+
+__all__ = ["Comm", "Request", "get_comm"]
+
+
+_CACHE: dict[int, tuple[Any, "Comm"]] = {}
+
+
+def get_comm(comm: Any = None) -> "Comm":
+    """Return the cached :class:`Comm` for ``comm`` (default ``MPI.COMM_WORLD``).
+
+    The first call for a communicator duplicates it (a collective call on
+    that communicator); later calls return the cached wrapper.
+    """
+    if isinstance(comm, Comm):
+        return comm
+    from mpi4py import MPI
+
+    base = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(base, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py.MPI.Intracomm, got {type(base).__name__}")
+    hit = _CACHE.get(id(base))
+    if hit is not None and hit[0] is base:
+        return hit[1]
+    wrapped = Comm(base.Dup())
+    _CACHE[id(base)] = (base, wrapped)
+    return wrapped
+
+
+class Request:
+    """An MPI request plus what must happen once it completes (``wait()``; ``req.Test()``)."""
+
+    __slots__ = ("req", "keep", "finish")
+
+    def __init__(self, req: Any, keep: Any, finish: Callable[[], None] | None = None):
+        self.req, self.keep, self.finish = req, keep, finish
+
+    def wait(self) -> None:
+        self.req.Wait()
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+
+
+class Comm:
+    """mpiattn's view of one (duplicated) intracommunicator.
+
+    Parameters
+    ----------
+    mpi_comm : mpi4py.MPI.Intracomm
+        A communicator reserved for mpiattn's traffic.
+    """
+
+    def __init__(self, mpi_comm: Any):
+        self.mpi = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        #: Payload bytes this rank has handed to MPI for other ranks.
+        self.bytes_sent = 0
+        #: How device (CuPy) buffers cross ranks: "staged" (through host
+        #: memory), "cuda-aware" (device pointers handed to MPI) or "nccl";
+        #: None until :func:`mpiattn.comm.device.configure` (called at a
+        #: collective point of a public call) sets it, with
+        #: ``device_transport``, the object that moves them.
+        self.transport: str | None = None
+        self.device_transport: Any = None
+
+    # ------------------------------------------------------------------ errors
+    def collective_errors(self) -> contextlib.AbstractContextManager[None]:
+        """:func:`mpiattn.comm.errors.agree` on this communicator (a purely local block)."""
+        return errors.agree(self.mpi)
+
+    def allgather_checked(self, fn: Callable[[], Any]) -> list:
+        """:func:`mpiattn.comm.errors.allgather_checked` on this communicator."""
+        return errors.allgather_checked(self.mpi, fn)
+
+    def abort_on_error(self) -> contextlib.AbstractContextManager[None]:
+        """:func:`mpiattn.comm.errors.abort_on_error` on this communicator."""
+        return errors.abort_on_error(self.mpi)
+
+    # ------------------------------------------------------------- small data
+    def allgather_obj(self, obj: Any) -> list:
+        """Pickle-based allgather for small metadata (never for array data)."""
+        return self.mpi.allgather(obj)
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Pickle-based broadcast for small metadata."""
+        return self.mpi.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    # ------------------------------------------------------- buffer transport
+    def _device(self) -> Any:
+        """The device-buffer transport, which a collective point must have set already."""
+        if self.device_transport is None:
+            raise RuntimeError(
+                "a CuPy buffer reached mpiattn's Comm before its device transport was chosen; "
+                "call mpiattn.comm.device.prepare(comm, *arrays) at a point every rank reaches")
+        return self.device_transport
+
+    def _send_buf(self, arr: Any) -> Any:
+        if not backend.is_cupy_array(arr):
+            return arr
+        return self._device().send_buf(arr)
+
+    def _recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
+        if not backend.is_cupy_array(arr):
+            return arr, None
+        return self._device().recv_buf(arr)
+
+    def isend(self, arr: Any, dest: int, tag: int) -> Request:
+        """Non-blocking send of a contiguous array (as bytes)."""
+        if dest != self.rank:
+            self.bytes_sent += int(arr.nbytes)
+        if backend.is_cupy_array(arr):
+            return self._device().isend(arr, dest, tag)
+        from mpi4py import MPI
+
+        return Request(self.mpi.Isend([arr, arr.nbytes, MPI.BYTE], dest=dest, tag=tag), arr)
+
+    def irecv(self, arr: Any, source: int, tag: int) -> Request:
+        """Non-blocking receive into a contiguous array (as bytes)."""
+        if backend.is_cupy_array(arr):
+            return self._device().irecv(arr, source, tag)
+        from mpi4py import MPI
+
+        return Request(self.mpi.Irecv([arr, arr.nbytes, MPI.BYTE], source=source, tag=tag), arr)
+
+    # ----------------------------------------------------------- ring pipeline
+    # ------------------------------------------------------ row collectives
+    def _rowtype(self, row_nbytes: int) -> Any:
+        from mpi4py import MPI
+
+        t = MPI.BYTE.Create_contiguous(max(1, row_nbytes))
+        t.Commit()
+        return t
+
+    def gatherv_rows(self, x: Any, counts: Sequence[int], root: int | None = 0) -> Any:
+        """Gather the rows (axis 0) of contiguous arrays with equal trailing shapes.
+
+        ``counts[r]`` is rank r's number of rows. Returns the concatenation on
+        ``root`` (every rank when ``root`` is None), else None.
+        """
+        xp = backend.array_module(x)
+        row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
+        total = int(sum(counts))
+        want = root is None or root == self.rank
+        out = xp.empty((total,) + x.shape[1:], dtype=x.dtype) if want else None
+        if row_nbytes == 0 or total == 0:
+            return out
+        self.bytes_sent += int(x.nbytes) * (self.size - 1 if root is None else int(root != self.rank))
+        t = self._rowtype(row_nbytes)
+        try:
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            sbuf = self._send_buf(x)
+            if out is not None:
+                rbuf, finish = self._recv_buf(out)
+                rspec = [rbuf, (list(map(int, counts)), list(map(int, displs))), t]
+            else:
+                rbuf, finish, rspec = None, None, None
+            if root is None:
+                self.mpi.Allgatherv([sbuf, x.shape[0], t], rspec)
+            else:
+                self.mpi.Gatherv([sbuf, x.shape[0], t], rspec, root=root)
+            if finish is not None:
+                finish()
+        finally:
+            t.Free()
+        return out
+
+    def allgatherv_rows(self, x: Any, counts: Sequence[int]) -> Any:
+        """:meth:`gatherv_rows` to every rank."""
+        return self.gatherv_rows(x, counts, root=None)
+
+    def alltoallv_rows(self, x: Any, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Any:
+        """All-to-all of row blocks along axis 0 of a contiguous array.
+
+        Rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` go to rank ``d``;
+        the result holds the rows from rank 0, 1, ... in order.
+        """
+        xp = backend.array_module(x)
+        row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
+        out = xp.empty((int(sum(recv_counts)),) + x.shape[1:], dtype=x.dtype)
+        if row_nbytes == 0:
+            return out
+        self.bytes_sent += row_nbytes * (int(sum(send_counts)) - int(send_counts[self.rank]))
+        t = self._rowtype(row_nbytes)
+        try:
+            sd = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(int).tolist()
+            rd = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(int).tolist()
+            sbuf = self._send_buf(x)
+            rbuf, finish = self._recv_buf(out)
+            self.mpi.Alltoallv([sbuf, (list(map(int, send_counts)), sd), t],
+                               [rbuf, (list(map(int, recv_counts)), rd), t])
+            if finish is not None:
+                finish()
+        finally:
+            t.Free()
+        return out
+
+    def _typed(self, dtype: Any) -> Any:
+        from mpi4py import MPI
+
+        types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
+        try:
+            return types[np.dtype(dtype)]
+        except KeyError:
+            raise TypeError(f"reductions need float32 or float64 buffers, got {dtype}") from None
+
+    def allreduce_(self, x: Any) -> Any:
+        """Sum a contiguous float32/float64 array over all ranks, in place; returns ``x``.
+
+        The result is bitwise identical on every rank (a reduce to rank 0 and
+        a broadcast: MPI only *recommends* that ``MPI_Allreduce`` give every
+        rank the same bits, and replicated parameters must never drift apart).
+        """
+        from mpi4py import MPI
+
+        if self.size == 1 or x.size == 0:
+            return x
+        self.bytes_sent += int(x.nbytes)
+        buf, finish = self._recv_buf(x)
+        if buf is not x:
+            buf[...] = x.get()
+        spec = [buf, self._typed(x.dtype)]
+        self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else spec, spec if self.rank == 0 else None,
+                        op=MPI.SUM, root=0)
+        self.mpi.Bcast(spec, root=0)
+        if finish is not None:
+            finish()
+        return x
+
+    def reduce_scatterv_rows(self, x: Any, counts: Sequence[int]) -> Any:
+        """Sum ``x`` (rows along axis 0, float32/float64) over ranks; rank r keeps its ``counts[r]`` rows.
+
+        Row ``[sum(counts[:r]), sum(counts[:r+1]))`` of the sum lands on rank r.
+        """
+        from mpi4py import MPI
+
+        xp = backend.array_module(x)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        out = xp.empty((int(counts[self.rank]),) + x.shape[1:], dtype=x.dtype)
+        if self.size == 1:
+            out[...] = x
+            return out
+        if row == 0:
+            return out
+        self.bytes_sent += row * x.dtype.itemsize * (int(sum(counts)) - int(counts[self.rank]))
+        sbuf = self._send_buf(xp.ascontiguousarray(x))
+        rbuf, finish = self._recv_buf(out)
+        self.mpi.Reduce_scatter([sbuf, self._typed(x.dtype)],
+                                [rbuf, self._typed(x.dtype)],
+                                [int(c) * row for c in counts], op=MPI.SUM)
+        if finish is not None:
+            finish()
+        return out

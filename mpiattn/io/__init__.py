@@ -1,0 +1,25 @@
+"""HDF5 input and output (the only layer below the CLI that touches files).
+
+``atomic``
+    outputs that appear complete under their name or not at all;
+``reading``
+    each rank reads only its rows of an attention problem;
+``writing``
+    each rank writes its rows (parallel HDF5 when available, else in turn);
+``checkpoint``
+    replicated parameters (layer weights);
+``datagen``
+    synthetic inputs, identical for a seed whatever the rank count.
+"""
+
+from __future__ import annotations
+
+from .atomic import check_output, write_atomically
+from .checkpoint import load_params, save_params
+from .reading import (SEQ_AXIS_FROM_END, Inputs, NonFiniteError, file_info, parallel_hdf5,
+                      read_attributes, read_input)
+from .writing import CHUNK_BYTES, Rows, write_rows
+
+__all__ = ["NonFiniteError", "Rows", "Inputs", "parallel_hdf5", "file_info", "read_attributes",
+           "read_input", "check_output", "write_rows", "write_atomically", "save_params",
+           "load_params", "CHUNK_BYTES", "SEQ_AXIS_FROM_END"]

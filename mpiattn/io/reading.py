@@ -1,0 +1,303 @@
+"""Reading an attention problem from HDF5, each rank only its own rows.
+
+Rank 0 reads the file's metadata (dataset shapes, dtypes, attributes) and
+validates it; every rank learns the verdict (the same error on every rank)
+and the metadata. Each rank then reads only its rows of every dataset, one
+hyperslab per layout segment (zigzag: two), straight into its buffer. No
+array passes through another rank. The file format is described in
+``docs/file-format.md``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..comm.core import get_comm
+from ..layouts import all_segments, check_layout
+from .atomic import on_rank0
+
+__all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "parallel_hdf5", "file_info",
+           "read_attributes", "read_input"]
+
+#: Input datasets and the axis (from the end) of their sequence dimension.
+SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1}
+
+
+class NonFiniteError(ValueError):
+    """An input dataset holds NaN or Inf values."""
+
+
+@dataclass
+class Inputs:
+    """This rank's part of an attention problem read from HDF5.
+
+    Attributes
+    ----------
+    path : str
+        Absolute path of the input file.
+    q : ndarray, shape (B, H, n_r, E)
+    k : ndarray, shape (B, Hkv, m_r, E)
+    v : ndarray, shape (B, Hkv, m_r, Ev)
+    dout : ndarray, shape (B, H, n_r, Ev), or None
+    key_padding_mask : bool ndarray, shape (B, m_r), or None
+    n, m : int
+        Global query and key/value lengths ``N`` and ``M``.
+    stored_ndim : dict
+        Dataset name -> number of dimensions in the file (2-D and 3-D arrays
+        are promoted to 4-D by adding leading axes of length 1).
+    causal, scale
+        The file's ``causal`` and ``scale`` attributes (None when absent).
+    layout : str
+    info : dict
+        :func:`file_info` of the input file.
+    """
+
+    path: str
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dout: np.ndarray | None
+    key_padding_mask: np.ndarray | None
+    n: int
+    m: int
+    stored_ndim: dict = field(default_factory=dict)
+    causal: bool | None = None
+    scale: float | None = None
+    layout: str = "contiguous"
+    info: dict = field(default_factory=dict)
+
+
+def parallel_hdf5() -> bool:
+    """True when h5py was built against a parallel (MPI) HDF5."""
+    import h5py
+
+    return bool(h5py.get_config().mpi)
+
+
+def file_info(path: str) -> dict:
+    """``{"path", "size", "mtime"}`` of a file: absolute path, bytes, ISO-8601 UTC time."""
+    st = os.stat(path)
+    mtime = datetime.datetime.fromtimestamp(st.st_mtime, tz=datetime.timezone.utc)
+    return {"path": os.path.abspath(path), "size": int(st.st_size),
+            "mtime": mtime.isoformat(timespec="seconds")}
+
+
+def _open_read(path: str) -> Any:
+    import h5py
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"input {path} is a directory, not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise OSError(f"cannot open {path} as an HDF5 file: {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    """HDF5 attribute value -> plain Python scalar/str."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value[()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def read_attributes(path: str, comm: Any = None) -> dict | None:
+    """The root attributes of an HDF5 file (plain Python values), or None when it is not one.
+
+    Rank 0 reads; every rank receives the result (or the same error).
+    """
+    c = get_comm(comm)
+
+    def attrs() -> dict | None:
+        try:
+            f = _open_read(path)
+        except OSError:
+            return None
+        with f:
+            return {k: _plain(v) for k, v in f.attrs.items()}
+
+    return on_rank0(c, attrs)
+
+
+# --------------------------------------------------------------------- reading
+def _promoted(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Stored shape -> 4-D (2-D for the mask) by leading axes of length 1."""
+    want = 2 if name == "key_padding_mask" else 4
+    lo = 1 if name == "key_padding_mask" else 2
+    if not lo <= len(shape) <= want:
+        forms = "(B, M) or (M,)" if name == "key_padding_mask" else "(B, H, L, F), (H, L, F) or (L, F)"
+        raise ValueError(f"dataset {name!r} has {len(shape)} dimensions {shape}; expected {forms}")
+    return (1,) * (want - len(shape)) + tuple(shape)
+
+
+def _check_dtype(name: str, dt: np.dtype) -> None:
+    if name == "key_padding_mask":
+        if dt != np.bool_:
+            raise TypeError(f"dataset 'key_padding_mask' has dtype {dt}; it must be boolean "
+                            "(True = padding key to ignore)")
+        return
+    if dt.kind != "f" or dt not in backend.SUPPORTED_DTYPES:
+        raise TypeError(f"dataset {name!r} has dtype {dt}; mpiattn needs real floating-point "
+                        "data (float16, float32 or float64)")
+
+
+def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
+    """Check the promoted global shapes of the input datasets against each other."""
+    B, H, N, E = shapes["q"]
+    Bk, Hkv, M, Ek = shapes["k"]
+    Bv, Hv, Mv, Ev = shapes["v"]
+    if (Bk, Ek) != (B, E):
+        raise ValueError(f"q {shapes['q']} and k {shapes['k']} must have the same batch size B "
+                         "and feature size E")
+    if (Bv, Hv, Mv) != (Bk, Hkv, M):
+        raise ValueError(f"k {shapes['k']} and v {shapes['v']} must have the same batch size B, "
+                         "heads Hkv and length M")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"q has H = {H} heads, k and v have Hkv = {Hkv}: H must be a "
+                         "positive multiple of Hkv")
+    if "dout" in shapes and shapes["dout"] != (B, H, N, Ev):
+        raise ValueError(f"dout has shape {shapes['dout']}, expected (B, H, N, Ev) = {(B, H, N, Ev)}")
+    if "key_padding_mask" in shapes and shapes["key_padding_mask"] != (B, M):
+        raise ValueError(f"key_padding_mask has shape {shapes['key_padding_mask']}, "
+                         f"expected (B, M) = {(B, M)}")
+
+
+def _read_meta(path: str) -> dict:
+    """Metadata of an input file, validated (run on one rank)."""
+    with _open_read(path) as f:
+        stored, dtypes = {}, {}
+        for name in SEQ_AXIS_FROM_END:
+            if name not in f:
+                if name in ("q", "k", "v"):
+                    raise ValueError(f"{path} has no dataset {name!r} (found: "
+                                     f"{', '.join(sorted(f.keys())) or 'nothing'})")
+                continue
+            ds = f[name]
+            import h5py
+
+            if not isinstance(ds, h5py.Dataset):
+                raise ValueError(f"{path}: {name!r} is a group, not a dataset")
+            _check_dtype(name, ds.dtype)
+            stored[name] = tuple(int(s) for s in ds.shape)
+            dtypes[name] = ds.dtype.str
+        shapes = {name: _promoted(name, s) for name, s in stored.items()}
+        _validate(shapes)
+        causal = f.attrs.get("causal")
+        scale = f.attrs.get("scale")
+        if causal is not None and _plain(causal) not in (0, 1, True, False):
+            raise ValueError(f"{path}: attribute 'causal' must be a boolean, got {causal!r}")
+        if scale is not None:
+            try:
+                scale = float(_plain(scale))
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: attribute 'scale' must be a number, got {scale!r}") from None
+    return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": file_info(path),
+            "causal": None if causal is None else bool(_plain(causal)), "scale": scale}
+
+
+def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
+    """Rows ``segs`` of dataset ``ds`` along ``axis``, one hyperslab per segment."""
+    shape = list(ds.shape)
+    shape[axis] = sum(ln for _, ln in segs)
+    out = np.empty(shape, dtype=ds.dtype)
+    pos = 0
+    for g, ln in segs:
+        src = [slice(None)] * len(shape)
+        dst = [slice(None)] * len(shape)
+        src[axis] = slice(g, g + ln)
+        dst[axis] = slice(pos, pos + ln)
+        if out.size:
+            ds.read_direct(out, tuple(src), tuple(dst))
+        pos += ln
+    return out
+
+
+def _first_nonfinite_row(x: np.ndarray, axis: int, segs: list[tuple[int, int]]) -> int | None:
+    bad = ~np.isfinite(x)
+    if not bad.any():
+        return None
+    local = int(np.nonzero(np.moveaxis(bad, axis, 0).reshape(bad.shape[axis], -1).any(axis=1))[0][0])
+    for g, ln in segs:
+        if local < ln:
+            return g + local
+        local -= ln
+    return None
+
+
+def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype: Any = None,
+               check_finite: bool = True) -> Inputs:
+    """Read this rank's rows of an attention problem from an HDF5 file.
+
+    Parameters
+    ----------
+    path : str
+        File with datasets ``q`` (B, H, N, E), ``k`` (B, Hkv, M, E), ``v``
+        (B, Hkv, M, Ev), optionally ``dout`` (B, H, N, Ev) and
+        ``key_padding_mask`` (B, M) bool. ``q``, ``k``, ``v``, ``dout`` may
+        also be stored 3-D (H, L, F) or 2-D (L, F), the mask 1-D (M,).
+    comm : mpi4py.MPI.Intracomm, optional
+        Communicator (default ``MPI.COMM_WORLD``).
+    layout : {"contiguous", "zigzag"}
+        Which rows each rank reads (:mod:`mpiattn.layouts`).
+    dtype : dtype, optional
+        Compute dtype for ``q``, ``k``, ``v``, ``dout``; default the common
+        type of the stored ``q``, ``k``, ``v``.
+    check_finite : bool
+        Raise :class:`NonFiniteError` when a dataset holds NaN or Inf.
+
+    Returns
+    -------
+    Inputs
+        Arrays promoted to 4-D (mask 2-D), this rank's rows only.
+
+    Raises
+    ------
+    FileNotFoundError, OSError, ValueError, TypeError, NonFiniteError
+        The same error on every rank.
+    """
+    c = get_comm(comm)
+    path = os.path.abspath(path)
+    with c.collective_errors():
+        check_layout(layout)
+        if dtype is not None:
+            backend.check_dtype(dtype, "the compute dtype")
+    meta = on_rank0(c, lambda: _read_meta(path))
+    shapes = meta["shapes"]
+    compute = np.dtype(dtype) if dtype is not None else np.result_type(
+        *(np.dtype(meta["dtypes"][x]) for x in ("q", "k", "v")))
+    n, m = shapes["q"][2], shapes["k"][2]
+    arrays: dict[str, np.ndarray] = {}
+    with c.collective_errors():
+        with _open_read(path) as f:
+            for name, stored in meta["stored"].items():
+                axis = len(stored) - SEQ_AXIS_FROM_END[name]
+                length = stored[axis]
+                segs = all_segments(length, c.size, layout)[c.rank]
+                x = _read_segments(f[name], segs, axis)
+                if name != "key_padding_mask":
+                    if check_finite:
+                        row = _first_nonfinite_row(x, axis, segs)
+                        if row is not None:
+                            raise NonFiniteError(f"dataset {name!r} in {path} contains NaN or Inf "
+                                                 f"(first at sequence position {row})")
+                    x = x.astype(compute, copy=False)
+                promoted = list(shapes[name])
+                promoted[-SEQ_AXIS_FROM_END[name]] = x.shape[axis]
+                arrays[name] = x.reshape(promoted)
+    return Inputs(path=path, q=arrays["q"], k=arrays["k"], v=arrays["v"], dout=arrays.get("dout"),
+                  key_padding_mask=arrays.get("key_padding_mask"), n=n, m=m,
+                  stored_ndim={k: len(s) for k, s in meta["stored"].items()},
+                  causal=meta["causal"], scale=meta["scale"], layout=layout, info=meta["info"])

@@ -1,0 +1,231 @@
+"""Writing global datasets to HDF5, each rank its own rows, atomically.
+
+* Parallel HDF5 (``h5py.get_config().mpi``): all ranks open the file with
+  the ``mpio`` driver and write their slabs with collective transfers.
+* Serial HDF5 (pip's h5py): rank 0 creates the datasets and writes its
+  slabs; then each rank in turn opens the file ``r+``, writes its slabs and
+  passes a token to the next rank (a failure travels with the token, so
+  later ranks skip writing and nobody waits forever).
+
+The file is published by :func:`mpiattn.io.atomic.write_atomically`.
+Datasets are chunked along the sequence axis (chunks of about 1 MiB).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..comm.core import Comm, get_comm
+from ..layouts import all_segments, check_layout, local_length
+from .atomic import write_atomically
+from .reading import parallel_hdf5
+
+__all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
+
+#: Target size of one HDF5 chunk of an output dataset.
+CHUNK_BYTES = 1 << 20
+
+_TOKEN_TAG = 7301
+
+
+@dataclass
+class Rows:
+    """This rank's rows of one global array.
+
+    Attributes
+    ----------
+    data : numpy.ndarray
+        The local rows, in the layout's local order along ``axis``.
+    length : int
+        Global length of the sequence axis.
+    axis : int
+        The sequence axis of ``data`` (non-negative).
+    """
+
+    data: np.ndarray
+    length: int
+    axis: int
+
+    def global_shape(self) -> tuple[int, ...]:
+        """Shape of the global array."""
+        s = list(self.data.shape)
+        s[self.axis] = self.length
+        return tuple(s)
+
+
+def _chunks(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, ...] | None:
+    """Chunk shape: whole along every axis but ``axis``, about CHUNK_BYTES per chunk."""
+    if 0 in shape:
+        return None
+    row = itemsize * int(np.prod([s for i, s in enumerate(shape) if i != axis], dtype=np.int64))
+    rows = max(1, min(shape[axis], CHUNK_BYTES // max(row, 1)))
+    return tuple(rows if i == axis else s for i, s in enumerate(shape))
+
+
+def _local_meta(datasets: Mapping[str, Rows], nranks: int, rank: int, layout: str) -> dict:
+    meta = {}
+    for name, rows in datasets.items():
+        x = rows.data
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"dataset {name!r}: write_rows takes NumPy arrays (use backend.to_host)")
+        if not 0 <= rows.axis < x.ndim:
+            raise ValueError(f"dataset {name!r}: axis {rows.axis} out of range for ndim {x.ndim}")
+        want = local_length(rows.length, rank, nranks, layout)
+        if x.shape[rows.axis] != want:
+            raise ValueError(f"dataset {name!r}: rank {rank} holds {x.shape[rows.axis]} rows, the "
+                             f"{layout} layout of {rows.length} rows gives it {want}")
+        meta[name] = (rows.global_shape(), x.dtype.str, rows.axis)
+    return meta
+
+
+def _select(space: Any, shape: tuple[int, ...], segs: list[tuple[int, int]], axis: int) -> None:
+    """Select the union of the segments' hyperslabs in a file dataspace (or nothing)."""
+    from h5py import h5s
+
+    space.select_none()
+    first = True
+    for g, ln in segs:
+        start = tuple(g if i == axis else 0 for i in range(len(shape)))
+        count = tuple(ln if i == axis else s for i, s in enumerate(shape))
+        space.select_hyperslab(start, count, op=h5s.SELECT_SET if first else h5s.SELECT_OR)
+        first = False
+
+
+def _write_slabs(f: Any, datasets: Mapping[str, Rows], segs_of: Callable[[Rows], list],
+                 collective: bool) -> None:
+    """Write this rank's rows of every dataset, one H5Dwrite per dataset.
+
+    The file selection is the union of the segments' hyperslabs; HDF5 maps
+    it to the memory buffer in row-major order, which is the local order
+    because a rank's segments are increasing in global position.
+    With ``collective`` every rank makes exactly one (possibly empty) call per
+    dataset, as collective MPI-IO requires.
+    """
+    from h5py import h5fd, h5p, h5s
+
+    for name, rows in datasets.items():
+        ds = f[name]
+        x = np.ascontiguousarray(rows.data)
+        segs = segs_of(rows)
+        dxpl = h5p.create(h5p.DATASET_XFER)
+        if collective:
+            dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
+        elif x.size == 0:
+            continue
+        fspace = ds.id.get_space()
+        _select(fspace, ds.shape, segs if x.size else [], rows.axis)
+        if x.size:
+            mspace = h5s.create_simple(x.shape)
+        else:
+            mspace = h5s.create(h5s.SCALAR)
+            mspace.select_none()
+            x = np.zeros(1, dtype=x.dtype)
+        ds.id.write(mspace, fspace, x, dxpl=dxpl)
+
+
+def _create(f: Any, meta: dict, attrs: Mapping[str, Any]) -> None:
+    for name, (shape, dtype, axis) in meta.items():
+        dt = np.dtype(dtype)
+        f.create_dataset(name, shape=shape, dtype=dt, chunks=_chunks(shape, axis, dt.itemsize))
+    for key, value in attrs.items():
+        if value is not None:
+            f.attrs[key] = value
+
+
+def _write_serial(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
+                  segs_of: Callable[[Rows], list], attrs: Mapping[str, Any]) -> None:
+    """Rank 0 creates; then ranks write in turn, a token carrying success from rank to rank."""
+    import h5py
+
+    err: BaseException | None = None
+    upstream_ok = True if c.rank == 0 else c.mpi.recv(source=c.rank - 1, tag=_TOKEN_TAG)
+    has_rows = c.rank == 0 or any(rows.data.size for rows in datasets.values())
+    if upstream_ok and has_rows:  # if not upstream_ok, an earlier rank failed and reports it
+        try:
+            with h5py.File(tmp, "w-" if c.rank == 0 else "r+") as f:
+                if c.rank == 0:
+                    _create(f, meta, attrs)
+                _write_slabs(f, datasets, segs_of, collective=False)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            err = exc
+    if c.rank + 1 < c.size:
+        c.mpi.send(upstream_ok and err is None, dest=c.rank + 1, tag=_TOKEN_TAG)
+    with c.collective_errors():
+        if err is not None:
+            raise err
+
+
+def _write_parallel(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
+                    segs_of: Callable[[Rows], list], attrs: Mapping[str, Any]) -> None:
+    """All ranks open the file with the mpio driver; collective creates and writes.
+
+    A rank failing inside these collective calls would leave the others
+    waiting in HDF5 forever, and closing the file is itself collective, so a
+    failing rank removes the temporary file and aborts the job without
+    closing it (with one rank the error is raised normally).
+    """
+    import h5py
+
+    with c.abort_on_error():
+        f = h5py.File(tmp, "w-", driver="mpio", comm=c.mpi)
+        try:
+            _create(f, meta, attrs)
+            _write_slabs(f, datasets, segs_of, collective=True)
+        except BaseException:
+            if os.path.lexists(tmp):  # leave no partial file behind; no close (collective)
+                os.remove(tmp)
+            if c.size == 1:
+                f.close()
+            raise
+        f.close()
+
+
+def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
+               layout: str = "contiguous", attrs: Mapping[str, Any] | None = None,
+               force: bool = False) -> None:
+    """Write global datasets, each rank its own rows, atomically.
+
+    Parameters
+    ----------
+    path : str
+        The output file. Written under a temporary name in the same
+        directory, renamed to ``path`` once every rank succeeded.
+    datasets : mapping of str to Rows
+        Name -> this rank's rows (NumPy, in the layout's local order). Every
+        rank passes the same names with compatible shapes.
+    comm : mpi4py.MPI.Intracomm, optional
+    layout : {"contiguous", "zigzag"}
+        The layout of every dataset's rows.
+    attrs : mapping, optional
+        Root attributes (rank 0's values are used); None values are skipped.
+    force : bool
+        Replace an existing ``path``.
+
+    Raises
+    ------
+    ValueError, TypeError, OSError
+        The same error on every rank; ``path`` is then unchanged and no
+        temporary file remains.
+    """
+    c = get_comm(comm)
+    path = os.path.abspath(path)
+    metas = c.allgather_checked(lambda: (check_layout(layout),
+                                         _local_meta(datasets, c.size, c.rank, layout))[1])
+    with c.collective_errors():
+        for r, other in enumerate(metas):
+            if other != metas[0]:
+                raise ValueError(f"write_rows: rank {r} passed datasets {other}, rank 0 {metas[0]}")
+    attrs = c.bcast_obj(dict(attrs or {})) if c.size > 1 else dict(attrs or {})
+
+    def segs_of(rows: Rows) -> list:
+        return all_segments(rows.length, c.size, layout)[c.rank]
+
+    def write(tmp: str) -> None:
+        writer = _write_parallel if parallel_hdf5() else _write_serial
+        writer(c, tmp, metas[0], datasets, segs_of, attrs)
+
+    write_atomically(c, path, write, force=force)

@@ -1,0 +1,213 @@
+"""Validation and planning of the distributed products (no data moves here).
+
+One metadata allgather per call checks the operands of every rank (the same
+error on every rank); the plan that follows is computed from data every rank
+holds, so every rank derives the same ring: rows per piece, global lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import backend
+from ..comm.core import Comm
+from ..comm.device import prepare
+from ..layouts import check_layout, check_shares, local_lengths
+
+__all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta",
+           "plan_nt", "plan_nn", "plan_tn"]
+
+#: Target bytes of one travelling piece when ``block_size`` is None (16 MiB).
+PIECE_BYTES = 16 * 2**20
+
+Shape = tuple[int, ...]
+
+
+# ---------------------------------------------------------------- validation
+def default_block_size(max_rows: int, row_bytes: int, piece_bytes: int | None = None) -> int:
+    """Rows per travelling piece chosen when ``block_size`` is None.
+
+    Parameters
+    ----------
+    max_rows : int
+        The longest shard of the travelling rows (no piece needs more).
+    row_bytes : int
+        Bytes of one travelling row, all leading axes included.
+    piece_bytes : int, optional
+        Memory target of one piece (default :data:`PIECE_BYTES`).
+
+    Returns
+    -------
+    int
+        ``clip(piece_bytes // row_bytes, 1, max(1, max_rows))``.
+    """
+    if piece_bytes is None:
+        piece_bytes = PIECE_BYTES
+    cap = max(1, int(max_rows))
+    if row_bytes <= 0:
+        return cap
+    return max(1, min(cap, int(piece_bytes) // int(row_bytes)))
+
+
+def _check_array(x: Any, name: str, op: str) -> None:
+    if isinstance(x, (np.ma.MaskedArray, np.matrix)):
+        raise TypeError(f"{op}: {name} is a {type(x).__name__}; pass a plain numpy.ndarray "
+                        "(masks and matrix semantics are not supported)")
+    try:
+        backend.array_module(x)
+    except TypeError as exc:
+        raise TypeError(f"{op}: {name}: {exc}") from None
+    backend.check_dtype(x.dtype, f"{op}: {name}")
+    if x.ndim < 2:
+        raise ValueError(f"{op}: {name} has shape {tuple(x.shape)}; expected at least 2 dimensions "
+                         "(..., rows, columns) with the sharded rows on axis -2")
+
+
+def _check_block_size(block_size: Any, op: str) -> int | None:
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool):
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}")
+    try:
+        k = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}") from None
+    if k < 1:
+        raise ValueError(f"{op}: block_size must be >= 1, got {k}")
+    return k
+
+
+def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any,
+                 block_size: Any) -> tuple[ModuleType, np.dtype, list[list[Shape]], str, int | None]:
+    """Local checks and the metadata allgather (one collective), then the cross-rank checks.
+
+    Returns the namespace, the common dtype, ``shapes[i][r]`` (operand i on
+    rank r), the layout and the requested block size (None for the default).
+    """
+    names = [nm for nm, _ in arrays]
+
+    def local() -> tuple:
+        check_layout(layout)
+        blk = _check_block_size(block_size, op)
+        for nm, x in arrays:
+            _check_array(x, nm, op)
+        backend.array_module(*(x for _, x in arrays))
+        dtypes = {nm: np.dtype(x.dtype) for nm, x in arrays}
+        if len(set(dtypes.values())) > 1:
+            listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
+            raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
+        return (layout, blk, str(arrays[0][1].dtype),
+                tuple(tuple(int(s) for s in x.shape) for _, x in arrays),
+                backend.array_module(*(x for _, x in arrays)).__name__)
+
+    # local checks and the metadata allgather in one collective: a local error
+    # becomes the same exception on every rank
+    meta_all = c.allgather_checked(local)
+    xp = backend.array_module(*(x for _, x in arrays))
+    dtype = np.dtype(arrays[0][1].dtype)
+    # From here on every rank holds the same data and runs the same pure checks,
+    # so they raise the same error everywhere without further communication.
+    layout0, block0, dtype0, _, xp0 = meta_all[0]
+    block_size = block0
+    for r, (lay, blk, dt, _, xp_name) in enumerate(meta_all):
+        if xp_name != xp0:
+            raise TypeError(f"{op}: rank {r} passes {xp_name} arrays, rank 0 {xp0} arrays")
+        if lay != layout0:
+            raise ValueError(f"{op}: layout differs between ranks: {lay!r} on rank {r}, {layout0!r} on rank 0")
+        if blk != block0:
+            raise ValueError(f"{op}: block_size differs between ranks: {blk!r} on rank {r}, {block0!r} on rank 0")
+        if dt != dtype0:
+            raise TypeError(f"{op}: dtype differs between ranks: {dt} on rank {r}, {dtype0} on rank 0")
+    shapes = [[m[3][i] for m in meta_all] for i in range(len(names))]
+    for nm, per_rank in zip(names, shapes):
+        _same_except_rows(per_rank, nm, op)
+    prepare(c, *(x for _, x in arrays))
+    return xp, dtype, shapes, layout, block_size
+
+
+def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
+    s0 = shapes[0]
+    for r, s in enumerate(shapes):
+        if len(s) != len(s0) or s[:-2] != s0[:-2] or s[-1] != s0[-1]:
+            raise ValueError(
+                f"{op}: {name} has shape {s} on rank {r} but {s0} on rank 0; only axis -2 "
+                "(the sharded rows) may differ between ranks")
+
+
+def _row_counts(shapes: list[Shape], name: str, op: str, layout: str) -> list[int]:
+    """Each rank's rows of an operand; they must be the layout's shares of their sum."""
+    counts = [s[-2] for s in shapes]
+    check_shares(counts, layout, f"{op}: {name}")
+    return counts
+
+
+def _broadcast_lead(sa: Shape, sb: Shape, op: str) -> Shape:
+    try:
+        return tuple(np.broadcast_shapes(sa[:-2], sb[:-2]))
+    except ValueError:
+        raise ValueError(f"{op}: leading axes of a {sa[:-2]} and b {sb[:-2]} do not broadcast "
+                         "(numpy.matmul rules)") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ring needs, identical on every rank except ``out_rows``."""
+
+    lead: Shape     # broadcast leading shape of the result
+    n_ring: int     # global rows that travel: B's rows (nt, nn) or the output rows (tn)
+    out_rows: int   # this rank's rows of the result
+    out_cols: int   # last dimension of the result
+    block: int      # rows per travelling piece
+
+
+def _block(block_size: int | None, counts: list[int], row_bytes: int) -> int:
+    if block_size is not None:
+        return block_size
+    return default_block_size(max(counts, default=0), row_bytes)
+
+
+def plan_nt(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_nt", names: tuple[str, str] = ("a", "b")) -> Plan:
+    d_a, d_b = sa[0][-1], sb[0][-1]
+    if d_a != d_b:
+        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {d_a} columns, {names[1]} has "
+                         f"{d_b} (A·Bᵀ needs equal column counts)")
+    n = _row_counts(sa, names[0], op, layout)
+    m = _row_counts(sb, names[1], op, layout)
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    row_bytes = math.prod(sb[0][:-2]) * d_b * dtype.itemsize
+    return Plan(lead, sum(m), n[rank], sum(m), _block(block_size, m, row_bytes))
+
+
+def plan_nn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_nn", names: tuple[str, str] = ("a", "b")) -> Plan:
+    n = _row_counts(sa, names[0], op, layout)
+    m = _row_counts(sb, names[1], op, layout)
+    if sa[0][-1] != sum(m):
+        raise ValueError(f"{op}: inner dimensions differ: {names[0]} has {sa[0][-1]} columns, but "
+                         f"{names[1]}'s rows add up to {sum(m)} over all ranks (A·B needs equal)")
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    d = sb[0][-1]
+    row_bytes = math.prod(sb[0][:-2]) * d * dtype.itemsize
+    return Plan(lead, sum(m), n[rank], d, _block(block_size, m, row_bytes))
+
+
+def plan_tn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+             dtype: np.dtype, op: str = "matmul_tn", names: tuple[str, str] = ("a", "b")) -> Plan:
+    for r, (x, y) in enumerate(zip(sa, sb)):
+        if x[-2] != y[-2]:
+            raise ValueError(f"{op}: inner dimensions differ: on rank {r} {names[0]} has {x[-2]} rows "
+                             f"and {names[1]} has {y[-2]} (Aᵀ·B needs the same rows of both)")
+    _row_counts(sa, names[0], op, layout)
+    n_out = sa[0][-1]
+    out_counts = local_lengths(n_out, len(sa), layout)
+    lead = _broadcast_lead(sa[0], sb[0], op)
+    d = sb[0][-1]
+    row_bytes = math.prod(lead) * d * backend.accum_dtype(dtype).itemsize
+    return Plan(lead, n_out, out_counts[rank], d, _block(block_size, out_counts, row_bytes))

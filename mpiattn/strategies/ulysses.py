@@ -1,0 +1,105 @@
+"""Ulysses attention: all-to-all from sequence-sharded to head-sharded and back.
+
+Each rank attends its ``H/P`` heads over the whole sequence with the local
+blocked kernels (Jacobs et al. 2023, DeepSpeed-Ulysses). Four all-to-alls of
+``n H E``-sized words forward; needs ``H`` and ``Hkv`` divisible by ``P``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from .. import backend, kernels
+from ..comm.core import Comm
+from ..layouts import all_segments, local_lengths
+from .problem import Problem, Progress, full_mask, report
+
+__all__ = ["ulysses_forward", "ulysses_backward"]
+
+
+def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: str) -> Any:
+    """``(B, Hx, n_r, F)`` sequence-sharded -> ``(B, Hx/P, n_total, F)`` head-sharded, global order."""
+    xp = backend.array_module(x)
+    P = c.size
+    B, Hx, n, F = x.shape
+    hp = Hx // P
+    segs = all_segments(n_total, P, layout)
+    lengths = local_lengths(n_total, P, layout)
+    send = xp.ascontiguousarray(x.reshape(B, P, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(-1, F)
+    got = c.alltoallv_rows(send, [B * hp * n] * P, [B * hp * ln for ln in lengths])
+    out = xp.empty((B, hp, n_total, F), dtype=x.dtype)
+    pos = 0
+    for s in range(P):
+        block = got[pos:pos + B * hp * lengths[s]].reshape(B, hp, lengths[s], F)
+        pos += B * hp * lengths[s]
+        local = 0
+        for g, ln in segs[s]:
+            out[:, :, g:g + ln] = block[:, :, local:local + ln]
+            local += ln
+    return out
+
+
+def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: str) -> Any:
+    """Inverse of :func:`_seq_to_heads`: ``(B, Hx/P, N, F)`` -> ``(B, Hx, n_r, F)``."""
+    xp = backend.array_module(y)
+    P = c.size
+    B, hp, _, F = y.shape
+    segs = all_segments(n_total, P, layout)
+    lengths = local_lengths(n_total, P, layout)
+    parts = []
+    for d in range(P):
+        rows = [y[:, :, g:g + ln] for g, ln in segs[d]]
+        blk = xp.concatenate(rows, axis=2) if rows else xp.empty((B, hp, 0, F), dtype=y.dtype)
+        parts.append(xp.ascontiguousarray(blk).reshape(-1, F))
+    send = xp.concatenate(parts, axis=0) if parts else xp.empty((0, F), dtype=y.dtype)
+    n = lengths[c.rank]
+    got = c.alltoallv_rows(send, [B * hp * ln for ln in lengths], [B * hp * n] * P)
+    return xp.ascontiguousarray(got.reshape(P, B, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(B, P * hp, n, F)
+
+
+def _ulysses_local(pb: Problem) -> Problem:
+    return replace(pb, H=pb.H // pb.P, Hkv=pb.Hkv // pb.P)
+
+
+def ulysses_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
+                     progress: Progress) -> tuple[Any, Any]:
+    qh = _seq_to_heads(c, q, pb.N, pb.layout)
+    kh = _seq_to_heads(c, k, pb.M, pb.layout)
+    vh = _seq_to_heads(c, v, pb.M, pb.layout)
+    bias = kernels.padding_bias(full_mask(c, pb, mask), pb.acc_dtype) if pb.masked else None
+    lp = _ulysses_local(pb)
+    st = kernels.ForwardState.start(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
+    kernels.forward_block(st, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M), bias, pb.causal, pb.block)
+    report(progress, 1, 1)
+    o, lse = kernels.finalize(st)
+    o = kernels.unfold_rows(o.astype(pb.dtype, copy=False), lp.H)
+    lse = kernels.unfold_rows(lse[..., None], lp.H)
+    return _heads_to_seq(c, o, pb.N, pb.layout), _heads_to_seq(c, lse, pb.N, pb.layout)[..., 0]
+
+
+def ulysses_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: Any,
+                      mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+    xp = backend.array_module(q)
+    qh = _seq_to_heads(c, q, pb.N, pb.layout)
+    kh = _seq_to_heads(c, k, pb.M, pb.layout)
+    vh = _seq_to_heads(c, v, pb.M, pb.layout)
+    doh = _seq_to_heads(c, dout, pb.N, pb.layout)
+    stats = _seq_to_heads(c, xp.stack([lse.astype(pb.acc_dtype), D], axis=-1), pb.N, pb.layout)
+    bias = kernels.padding_bias(full_mask(c, pb, mask), pb.acc_dtype) if pb.masked else None
+    lp = _ulysses_local(pb)
+    bi = kernels.BackwardInputs.start(qh, doh, stats[..., 0], stats[..., 1], lp.Hkv, pb.scale, pb.acc_dtype)
+    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc_dtype)
+    dk = xp.zeros(kh.shape, dtype=pb.acc_dtype)
+    dv = xp.zeros(vh.shape, dtype=pb.acc_dtype)
+    kernels.backward_block(bi, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M),
+                           dq, dk, dv, bias, pb.causal, pb.block)
+    report(progress, 1, 1)
+    dq *= pb.scale
+    dq = kernels.unfold_rows(dq, lp.H)
+    return (_heads_to_seq(c, dq, pb.N, pb.layout), _heads_to_seq(c, dk, pb.M, pb.layout),
+            _heads_to_seq(c, dv, pb.M, pb.layout))
+
+
