@@ -58,9 +58,10 @@ import numpy as np
 
 from .. import backend
 from . import fused
+from .masks import BlockMask
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
-           "forward_block", "finalize", "backward_block", "padding_bias", "DEFAULT_TILE", "TAU"]
+           "forward_block", "finalize", "backward_block", "DEFAULT_TILE", "TAU"]
 
 #: Default tile edge (rows of queries x rows of keys) for the score block.
 DEFAULT_TILE = 512
@@ -97,14 +98,6 @@ def unfold_rows(x: Any, h: int) -> Any:
     y = x.reshape((B, hkv, n, G) + rest)
     y = xp.moveaxis(y, 3, 2)
     return xp.ascontiguousarray(y).reshape((B, h, n) + rest)
-
-
-def padding_bias(pad: Any, dtype: Any) -> Any:
-    """``(B, k)`` bool padding (True = ignore) -> additive bias ``(B, 1, 1, k)``: 0 or -inf."""
-    xp = backend.array_module(pad)
-    bias = xp.zeros(pad.shape, dtype=dtype)
-    bias[pad] = -np.inf
-    return bias[:, None, None, :]
 
 
 class Workspace:
@@ -170,47 +163,22 @@ class ForwardState:
                    xp.zeros(lead + (ev,), dtype=qa.dtype), Workspace(xp))
 
 
-def _visibility(q_rows: np.ndarray, k_idx: np.ndarray, causal: bool) -> str:
-    """'none', 'all' or 'some' keys of the block visible to the query block (causal only)."""
-    if not causal or q_rows.size == 0 or k_idx.size == 0:
-        return "all"
-    if q_rows.max() < k_idx.min():
-        return "none"
-    if q_rows.min() >= k_idx.max():
-        return "all"
-    return "some"
-
-
-def _causal_bias(xp: Any, q_rows: np.ndarray, k_idx: np.ndarray, dtype: Any) -> Any:
-    hidden = k_idx[None, :] > q_rows[:, None]
-    bias = np.zeros(hidden.shape, dtype=dtype)
-    bias[hidden] = -np.inf
-    return backend.to_device(bias, xp)
-
-
 def _tiles(n: int, t: int) -> range:
     return range(0, n, max(1, t))
 
 
-def _query_tiles(q_pos: np.ndarray, k_idx: np.ndarray, group: int, tile: int,
-                 causal: bool) -> Iterator[tuple[int, int, str, np.ndarray]]:
-    """Query tiles that see at least one key of ``k_idx``: ``(r0, r1, visibility, positions)``.
+def _query_tiles(mask: BlockMask, j0: int, j1: int, group: int,
+                 tile: int) -> Iterator[tuple[int, int, int, int, str]]:
+    """Query tiles that see at least one key of ``j0:j1``: ``(i0, i1, r0, r1, visibility)``.
 
-    ``r0:r1`` are folded rows (``group`` per query position).
+    ``i0:i1`` are query rows, ``r0:r1`` the same as folded rows (``group`` per query).
     """
-    for i0 in _tiles(q_pos.size, tile):
-        i1 = min(i0 + tile, q_pos.size)
-        vis = _visibility(q_pos[i0:i1], k_idx, causal)
+    n = mask.q_pos.size
+    for i0 in _tiles(n, tile):
+        i1 = min(i0 + tile, n)
+        vis = mask.visibility(i0, i1, j0, j1)
         if vis != "none":
-            yield i0 * group, i1 * group, vis, q_pos[i0:i1]
-
-
-def _add_masks(xp: Any, S: Any, kb: Any, vis: str, q_rows: np.ndarray, group: int,
-               k_idx: np.ndarray) -> None:
-    if kb is not None:
-        S += kb
-    if vis == "some":
-        S += _causal_bias(xp, np.repeat(q_rows, group), k_idx, S.dtype)
+            yield i0, i1, i0 * group, i1 * group, vis
 
 
 def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
@@ -238,27 +206,22 @@ def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None
     m[need] = m_new[need]
 
 
-def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
-                  k: Any, v: Any, k_idx: np.ndarray, bias: Any = None,
-                  causal: bool = False, tile: int = DEFAULT_TILE) -> None:
+def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
+                  tile: int = DEFAULT_TILE) -> None:
     """Fold one block of keys/values into the running state (in place).
 
     Parameters
     ----------
     st : ForwardState
         Queries and running statistics (:meth:`ForwardState.start`).
-    q_pos : (n,) int
-        Global positions of the queries (any order).
     group : int
         ``G = H // Hkv``.
     k, v : (B, Hkv, k, E), (B, Hkv, k, Ev)
         Key/value block (any float dtype; cast to the state's dtype per tile).
-    k_idx : (k,) int
-        Global positions of the keys (any order).
-    bias : (B, 1, 1, k) or None
-        Additive padding bias from :func:`padding_bias`.
-    causal : bool
-        Hide key ``j`` from query ``i`` when ``j > i``.
+    mask : BlockMask
+        Global positions of the queries and keys and the rules that hide
+        pairs (:mod:`mpiattn.kernels.masks`); tiles with no visible pair are
+        skipped.
     tile : int
         Edge of the score tile: at most ``tile*G x tile`` scores per (B, Hkv) at once.
 
@@ -270,29 +233,30 @@ def forward_block(st: ForwardState, q_pos: np.ndarray, group: int,
     xp = backend.array_module(st.qa)
     ws, dt = st.ws, st.qa.dtype
     lead = st.qa.shape[:2]
+    n, nk = mask.q_pos.size, mask.k_pos.size
     tile_step = _tile_fused if fused.use_fused(xp) else _tile_generic
-    ones = xp.ones(min(tile, max(k_idx.size, 1)), dtype=dt)
-    for k0 in _tiles(k_idx.size, tile):
-        k1 = min(k0 + tile, k_idx.size)
-        kt = ws.transposed("kt", k, k0, k1, dt)
-        vc = xp.ascontiguousarray(v[..., k0:k1, :], dtype=dt)
-        kb = None if bias is None else bias[..., k0:k1]
-        for r0, r1, vis, pos in _query_tiles(q_pos, k_idx[k0:k1], group, tile, causal):
-            def masks(S: Any) -> None:
-                _add_masks(xp, S, kb, vis, pos, group, k_idx[k0:k1])
-
-            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, masks, ones[:k1 - k0])
+    ones = xp.ones(min(tile, max(nk, 1)), dtype=dt)
+    for j0 in _tiles(nk, tile):
+        j1 = min(j0 + tile, nk)
+        if mask.visibility(0, n, j0, j1) == "none":
+            continue
+        kt = ws.transposed("kt", k, j0, j1, dt)
+        vc = xp.ascontiguousarray(v[..., j0:j1, :], dtype=dt)
+        for i0, i1, r0, r1, vis in _query_tiles(mask, j0, j1, group, tile):
+            bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
+            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias, ones[:j1 - j0])
 
 
 def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
-                  masks: Any, ones: Any) -> None:
+                  bias: Any, ones: Any) -> None:
     """One score tile, generic array code: GEMM with the shift folded in, lazy rescale, exp, GEMMs."""
     ws, dt = st.ws, st.qa.dtype
     E = st.qa.shape[-1] - 1
     m = st.m[..., r0:r1]
     st.qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)  # S = scores - m straight from the GEMM
     S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
-    masks(S)
+    if bias is not None:
+        S += bias
     _rebase(xp, st, S, S.max(axis=-1, out=ws.get("r", rows, dt)), r0, r1)
     xp.exp(S, out=S)
     st.l[..., r0:r1] += xp.matmul(S, ones, out=ws.get("rowsum", rows, dt))
@@ -300,13 +264,14 @@ def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: 
 
 
 def _tile_fused(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
-                masks: Any, ones: Any) -> None:
+                bias: Any, ones: Any) -> None:
     """One score tile with the fused CuPy kernels (exact running maximum)."""
     ws, dt = st.ws, st.qa.dtype
     E = st.qa.shape[-1] - 1
     st.qa[..., r0:r1, E] = 0
     S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
-    masks(S)
+    if bias is not None:
+        S += bias
     alpha = fused.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
     pv = xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
     fused.rescale_add_(st.o[..., r0:r1, :], alpha, pv)
@@ -354,16 +319,15 @@ class BackwardInputs:
         return cls(qa, doa, Workspace(xp))
 
 
-def backward_block(bi: BackwardInputs, q_pos: np.ndarray, group: int,
-                   k: Any, v: Any, k_idx: np.ndarray, dq: Any, dk: Any, dv: Any,
-                   bias: Any = None, causal: bool = False, tile: int = DEFAULT_TILE) -> None:
+def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMask,
+                   dq: Any, dk: Any, dv: Any, tile: int = DEFAULT_TILE) -> None:
     """Accumulate the gradients of one key/value block (in place).
 
     Parameters
     ----------
     bi : BackwardInputs
         Folded queries, output gradient, ``lse`` and ``D``.
-    q_pos, group, k, v, k_idx, bias, causal, tile
+    group, k, v, mask, tile
         As in :func:`forward_block`.
     dq : (B, Hkv, n*G, E)
         Accumulates ``dS K`` (multiply by the scale once at the end).
@@ -379,18 +343,22 @@ def backward_block(bi: BackwardInputs, q_pos: np.ndarray, group: int,
     dt = qa.dtype
     lead = qa.shape[:2]
     E, Ev = qa.shape[-1] - 1, doa.shape[-1] - 1
-    for k0 in _tiles(k_idx.size, tile):
-        k1 = min(k0 + tile, k_idx.size)
-        kk = k1 - k0
-        kc = xp.ascontiguousarray(k[..., k0:k1, :], dtype=dt)
-        kt = ws.transposed("kt", k, k0, k1, dt)
-        vt = ws.transposed("vt", v, k0, k1, dt)
-        kb = None if bias is None else bias[..., k0:k1]
-        dk_c, dv_c = dk[..., k0:k1, :], dv[..., k0:k1, :]
-        for r0, r1, vis, pos in _query_tiles(q_pos, k_idx[k0:k1], group, tile, causal):
+    n, nk = mask.q_pos.size, mask.k_pos.size
+    for j0 in _tiles(nk, tile):
+        j1 = min(j0 + tile, nk)
+        if mask.visibility(0, n, j0, j1) == "none":
+            continue
+        kk = j1 - j0
+        kc = xp.ascontiguousarray(k[..., j0:j1, :], dtype=dt)
+        kt = ws.transposed("kt", k, j0, j1, dt)
+        vt = ws.transposed("vt", v, j0, j1, dt)
+        dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
+        for i0, i1, r0, r1, vis in _query_tiles(mask, j0, j1, group, tile):
             rows = lead + (r1 - r0,)
             P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
-            _add_masks(xp, P, kb, vis, pos, group, k_idx[k0:k1])
+            bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
+            if bias is not None:
+                P += bias
             xp.exp(P, out=P)
             do_t = doa[..., r0:r1, :Ev]
             dv_c += xp.matmul(P.swapaxes(-1, -2), do_t, out=ws.get("dv", lead + (kk, Ev), dt))

@@ -31,12 +31,12 @@ __all__ = ["blocked_forward", "blocked_backward"]
 
 @dataclass
 class _KeyBlock:
-    """Keys/values of global positions ``k_idx`` (row axis -2), their padding bias, gradient sinks."""
+    """Keys/values of global positions ``k_idx`` (row axis -2), their padding, gradient sinks."""
 
     k: Any
     v: Any
     k_idx: np.ndarray
-    bias: Any
+    pad: Any
     dk: Any = None
     dv: Any = None
 
@@ -46,8 +46,8 @@ def _kv_data(pb: Problem, k: Any, v: Any, mask: Any) -> list[Any]:
 
 
 def _key_block(pb: Problem, data: Sequence[Any], k_idx: np.ndarray, sinks: Sequence[Any] = ()) -> _KeyBlock:
-    bias = kernels.padding_bias(data[2][..., 0], pb.acc_dtype) if pb.masked else None
-    return _KeyBlock(data[0], data[1], k_idx, bias, *sinks)
+    pad = data[2][..., 0] if pb.masked else None
+    return _KeyBlock(data[0], data[1], k_idx, pad, *sinks)
 
 
 # The two block sources below hand every key/value block to the same blocked
@@ -98,7 +98,8 @@ def blocked_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
     q_pos = pb.q_pos()
     total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask)
     for i, b in enumerate(blocks):
-        kernels.forward_block(st, q_pos, pb.G, b.k, b.v, b.k_idx, b.bias, pb.causal, pb.block)
+        mask = kernels.BlockMask(q_pos, b.k_idx, pb.causal, b.pad)
+        kernels.forward_block(st, pb.G, b.k, b.v, mask, pb.block)
         report(progress, i + 1, total)
     o, lse = kernels.finalize(st)
     return kernels.unfold_rows(o, pb.H), kernels.unfold_rows(lse[..., None], pb.H)[..., 0]
@@ -114,7 +115,8 @@ def blocked_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, ls
     dv = xp.zeros(v.shape, dtype=pb.acc_dtype)
     total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask, grads=[dk, dv])
     for i, b in enumerate(blocks):
-        kernels.backward_block(bi, q_pos, pb.G, b.k, b.v, b.k_idx, dq, b.dk, b.dv, b.bias, pb.causal, pb.block)
+        mask = kernels.BlockMask(q_pos, b.k_idx, pb.causal, b.pad)
+        kernels.backward_block(bi, pb.G, b.k, b.v, mask, dq, b.dk, b.dv, pb.block)
         report(progress, i + 1, total)
     dq *= pb.scale
     return kernels.unfold_rows(dq, pb.H), dk, dv

@@ -69,10 +69,11 @@ def ulysses_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
     qh = _seq_to_heads(c, q, pb.N, pb.layout)
     kh = _seq_to_heads(c, k, pb.M, pb.layout)
     vh = _seq_to_heads(c, v, pb.M, pb.layout)
-    bias = kernels.padding_bias(full_mask(c, pb, mask), pb.acc_dtype) if pb.masked else None
+    bm = kernels.BlockMask(np.arange(pb.N), np.arange(pb.M), pb.causal,
+                           full_mask(c, pb, mask) if pb.masked else None)
     lp = _ulysses_local(pb)
     st = kernels.ForwardState.start(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
-    kernels.forward_block(st, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M), bias, pb.causal, pb.block)
+    kernels.forward_block(st, lp.G, kh, vh, bm, pb.block)
     report(progress, 1, 1)
     o, lse = kernels.finalize(st)
     o = kernels.unfold_rows(o.astype(pb.dtype, copy=False), lp.H)
@@ -88,14 +89,14 @@ def ulysses_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, ls
     vh = _seq_to_heads(c, v, pb.M, pb.layout)
     doh = _seq_to_heads(c, dout, pb.N, pb.layout)
     stats = _seq_to_heads(c, xp.stack([lse.astype(pb.acc_dtype), D], axis=-1), pb.N, pb.layout)
-    bias = kernels.padding_bias(full_mask(c, pb, mask), pb.acc_dtype) if pb.masked else None
+    bm = kernels.BlockMask(np.arange(pb.N), np.arange(pb.M), pb.causal,
+                           full_mask(c, pb, mask) if pb.masked else None)
     lp = _ulysses_local(pb)
     bi = kernels.BackwardInputs.start(qh, doh, stats[..., 0], stats[..., 1], lp.Hkv, pb.scale, pb.acc_dtype)
     dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc_dtype)
     dk = xp.zeros(kh.shape, dtype=pb.acc_dtype)
     dv = xp.zeros(vh.shape, dtype=pb.acc_dtype)
-    kernels.backward_block(bi, np.arange(pb.N), lp.G, kh, vh, np.arange(pb.M),
-                           dq, dk, dv, bias, pb.causal, pb.block)
+    kernels.backward_block(bi, lp.G, kh, vh, bm, dq, dk, dv, pb.block)
     report(progress, 1, 1)
     dq *= pb.scale
     dq = kernels.unfold_rows(dq, lp.H)
