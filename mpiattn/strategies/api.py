@@ -61,13 +61,17 @@ _BACKWARD = {"ring": blocked_backward, "allgather": blocked_backward,
 
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
               scale: float | None = None, key_padding_mask: Any = None,
-              layout: str = "contiguous", strategy: str = "auto", block_size: int | None = None,
-              check_finite: bool = True, progress: Progress = None) -> tuple[Any, Any]:
+              layout: Any = "contiguous", strategy: str = "auto", block_size: int | None = None,
+              check_finite: bool = True, progress: Progress = None,
+              engine: str = "auto", window: tuple | None = None, segment_ids: Any = None,
+              kv_segment_ids: Any = None, kv_layout: Any = None) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
     ``out[i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over the keys ``j``
     visible to query ``i`` (all of them, minus padding, minus ``j > i`` when
-    causal), for every batch entry and query head.
+    causal, minus those outside the window or in another document), for
+    every batch entry and query head. Key tiles and ring blocks with no
+    visible pair are skipped, so the work follows the visible pairs.
 
     Parameters
     ----------
@@ -86,17 +90,42 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
         Softmax scale, default ``1/sqrt(E)``.
     key_padding_mask : bool ndarray, shape (B, m_r), optional
         This rank's part of a global ``(B, M)`` mask; True marks padding.
-    layout : {"contiguous", "zigzag"}
-        Row layout of ``q`` and of ``k``/``v`` (:mod:`mpiattn.layouts`).
+    layout : {"contiguous", "zigzag"} or Layout
+        Row layout of ``q`` and of ``k``/``v`` (:mod:`mpiattn.layouts`); an
+        explicit :class:`mpiattn.Layout` (e.g. from :func:`mpiattn.balance`)
+        must be the same on every rank and cover ``N`` rows.
     strategy : {"auto", "ring", "allgather", "ulysses", "materialized"}
         See the module docstring for costs.
+    window : (left, right), optional
+        Sliding window: key ``j`` is visible to query ``i`` only if
+        ``i - left <= j <= i + right`` (global positions); each bound an int
+        >= 0 or None (unbounded on that side). Combines with ``causal``.
+    segment_ids : integer ndarray, shape (B, n_r), optional
+        This rank's rows of the global ``(B, N)`` document ids of the
+        queries (NumPy, or the backend of ``q``; any integers): query ``i``
+        sees key ``j`` only when their ids are equal. See
+        :func:`mpiattn.segment_ids_from_cu_seqlens`.
+    kv_segment_ids : integer ndarray, shape (B, m_r), optional
+        The keys' document ids; needs ``segment_ids``. Omitted: the keys
+        take the query ids (needs ``N == M`` and one layout).
+    kv_layout : str or Layout, optional
+        Row layout of ``k``/``v`` (default: ``layout``); for cross
+        attention with an explicit :class:`mpiattn.Layout`.
     block_size : int, optional
-        Rows per exchanged key/value block and edge of the score tile
-        (default 512). Bounds the temporary memory.
+        Rows per exchanged key/value block and edge of the native engine's
+        score tile. Default: 512 for the native engine; for the torch engine
+        blocks of up to 64 MiB (few kernel calls). Bounds the temporary memory.
     check_finite : bool
         Raise ValueError when an input holds NaN or Inf (default True).
     progress : callable(done, total), optional
         Called on every rank after each block step.
+    engine : {"auto", "native", "torch"}
+        The local kernel engine (:mod:`mpiattn.kernels.engines`): ``native``
+        (mpiattn's own kernels, every case), ``torch`` (torch's fused
+        kernels: NumPy float16/32/64 or CuPy float16/32, causal and padding
+        masks), ``auto`` (torch where it is installed and supports the case
+        on NumPy float32/float64 inputs, else native). Every rank uses the
+        same engine.
 
     Returns
     -------
@@ -120,7 +149,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {}, causal=causal, scale=scale, layout=layout,
-                   strategy=strategy, block_size=block_size, check_finite=check_finite)
+                  strategy=strategy, block_size=block_size, check_finite=check_finite,
+                  engine=engine, window=window, segment_ids=segment_ids,
+                  kv_segment_ids=kv_segment_ids, kv_layout=kv_layout)
     with c.abort_on_error():
         o, lse = _FORWARD[pb.strategy](c, pb, q, k, v, key_padding_mask, progress)
     return o.astype(pb.dtype, copy=False), lse.astype(pb.acc_dtype, copy=False)
@@ -128,9 +159,12 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm: Any = None, *,
                        causal: bool = False, scale: float | None = None,
-                       key_padding_mask: Any = None, layout: str = "contiguous",
+                       key_padding_mask: Any = None, layout: Any = "contiguous",
                        strategy: str = "auto", block_size: int | None = None,
-                       check_finite: bool = True, progress: Progress = None) -> tuple[Any, Any, Any]:
+                       check_finite: bool = True, progress: Progress = None,
+                       engine: str = "auto", window: tuple | None = None,
+                       segment_ids: Any = None, kv_segment_ids: Any = None,
+                       kv_layout: Any = None) -> tuple[Any, Any, Any]:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
     Recomputes the probabilities from ``lse`` (FlashAttention-2 style) with
@@ -143,8 +177,10 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     q, k, v, out, lse
         The forward inputs and outputs (``out`` and ``lse`` as returned by
         :func:`attention` with the same keywords).
-    comm, causal, scale, key_padding_mask, layout, strategy, block_size, check_finite, progress
-        As in :func:`attention`; pass the same values as to the forward call.
+    comm, causal, scale, key_padding_mask, layout, strategy, block_size, check_finite, progress, engine,
+    window, segment_ids, kv_segment_ids, kv_layout
+        As in :func:`attention`; pass the same values as to the forward call
+        (the engine may differ: the gradients only need ``out`` and ``lse``).
 
     Returns
     -------
@@ -162,10 +198,13 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse},
-                   causal=causal, scale=scale, layout=layout, strategy=strategy,
-                   block_size=block_size, check_finite=check_finite)
+                  causal=causal, scale=scale, layout=layout, strategy=strategy,
+                  block_size=block_size, check_finite=check_finite, engine=engine,
+                  window=window, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                  kv_layout=kv_layout)
     D = (dout.astype(pb.acc_dtype) * out.astype(pb.acc_dtype)).sum(axis=-1)
     with c.abort_on_error():
-        dq, dk, dv = _BACKWARD[pb.strategy](c, pb, dout, q, k, v, lse, D, key_padding_mask, progress)
+        dq, dk, dv = _BACKWARD[pb.strategy](c, pb, dout, q, k, v, out, lse, D, key_padding_mask,
+                                            progress)
     return (dq.astype(pb.dtype, copy=False), dk.astype(pb.dtype, copy=False),
             dv.astype(pb.dtype, copy=False))

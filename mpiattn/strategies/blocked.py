@@ -10,6 +10,11 @@ the same blocked forward and backward loops (:mod:`mpiattn.kernels`); with
 ``allgather``
     round ``t`` gathers rows ``[t*block, (t+1)*block)`` of every rank's
     shard; its dK, dV are summed to their owners by a reduce-scatter.
+
+Each block's :class:`~mpiattn.kernels.masks.BlockMask` comes from
+:func:`block_mask` (causal, window, documents, padding). A block with no
+visible pair is never handed to the engine (it costs only its transfer), and
+the engine skips the tiles with no visible pair inside the others.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .. import backend, kernels
+from ..kernels import engines
 from ..comm.core import Comm
 from ..comm.ring import circulate, row_pieces
 from ..layouts import all_segments, positions
+from . import masking
 from .problem import Problem, Progress, report
 
 __all__ = ["blocked_forward", "blocked_backward"]
@@ -41,6 +48,16 @@ class _KeyBlock:
     dv: Any = None
 
 
+def block_mask(pb: Problem, q_pos: np.ndarray, b: _KeyBlock) -> kernels.BlockMask:
+    """The visibility rules of this rank's queries against key block ``b``."""
+    return masking.block_mask(pb, q_pos, b.k_idx, b.pad)
+
+
+def _visible(bm: kernels.BlockMask) -> bool:
+    """False when no query sees any key of the block: it is skipped (it cost only its transfer)."""
+    return bm.visibility(0, bm.q_pos.size, 0, bm.k_pos.size) != "none"
+
+
 def _kv_data(pb: Problem, k: Any, v: Any, mask: Any) -> list[Any]:
     return [k, v] + ([mask[:, :, None]] if pb.masked else [])
 
@@ -56,8 +73,8 @@ def _key_block(pb: Problem, data: Sequence[Any], k_idx: np.ndarray, sinks: Seque
 def _ring_blocks(c: Comm, pb: Problem, k: Any, v: Any, mask: Any,
                  grads: Sequence[Any] = ()) -> tuple[int, Iterator[_KeyBlock]]:
     """Ring: blocks arrive from the neighbour; dK, dV travel with them and come home."""
-    total = sum(len(row_pieces(s, pb.block)) for s in all_segments(pb.M, pb.P, pb.layout))
-    pieces = circulate(c, _kv_data(pb, k, v, mask), pb.M, pb.layout, pb.block, acc_out=grads)
+    total = sum(len(row_pieces(s, pb.block)) for s in all_segments(pb.M, pb.P, pb.kv_layout))
+    pieces = circulate(c, _kv_data(pb, k, v, mask), pb.M, pb.kv_layout, pb.block, acc_out=grads)
     return total, (_key_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)
 
 
@@ -66,7 +83,7 @@ def _gather_blocks(c: Comm, pb: Problem, k: Any, v: Any, mask: Any,
     """All-gather: round ``t`` gathers rows ``[t*block, (t+1)*block)`` of every rank's shard;
     its dK, dV are summed to their owners by a reduce-scatter."""
     xp = backend.array_module(k)
-    pos = [positions(s) for s in all_segments(pb.M, pb.P, pb.layout)]
+    pos = [positions(s) for s in all_segments(pb.M, pb.P, pb.kv_layout)]
     rounds = max((math.ceil(p.size / pb.block) for p in pos), default=0)
 
     def blocks() -> Iterator[_KeyBlock]:
@@ -93,32 +110,31 @@ _BLOCKS = {"ring": _ring_blocks, "allgather": _gather_blocks}
 
 
 def blocked_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
-                     progress: Progress) -> tuple[Any, Any]:
-    st = kernels.ForwardState.start(q, pb.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
+                    progress: Progress) -> tuple[Any, Any]:
+    """Forward over every key/value block: ``out (B, H, n, Ev)``, ``lse (B, H, n)`` (accumulation dtype)."""
+    f = engines.get(pb.engine).forward(q, pb.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
     q_pos = pb.q_pos()
     total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask)
     for i, b in enumerate(blocks):
-        mask = kernels.BlockMask(q_pos, b.k_idx, pb.causal, b.pad)
-        kernels.forward_block(st, pb.G, b.k, b.v, mask, pb.block)
+        bm = block_mask(pb, q_pos, b)
+        if _visible(bm):
+            f.add(b.k, b.v, bm, pb.tile)
         report(progress, i + 1, total)
-    o, lse = kernels.finalize(st)
-    return kernels.unfold_rows(o, pb.H), kernels.unfold_rows(lse[..., None], pb.H)[..., 0]
+    return f.result()
 
 
-def blocked_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: Any,
-                      mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+def blocked_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                     D: Any, mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+    """Gradients over every key/value block: ``dq``, ``dk``, ``dv`` (accumulation dtype)."""
     xp = backend.array_module(q)
-    bi = kernels.BackwardInputs.start(q, dout, lse, D, pb.Hkv, pb.scale, pb.acc_dtype)
+    bwd = engines.get(pb.engine).backward(q, dout, out, lse, D, pb.Hkv, pb.scale, pb.acc_dtype)
     q_pos = pb.q_pos()
-    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc_dtype)
     dk = xp.zeros(k.shape, dtype=pb.acc_dtype)
     dv = xp.zeros(v.shape, dtype=pb.acc_dtype)
     total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask, grads=[dk, dv])
     for i, b in enumerate(blocks):
-        mask = kernels.BlockMask(q_pos, b.k_idx, pb.causal, b.pad)
-        kernels.backward_block(bi, pb.G, b.k, b.v, mask, dq, b.dk, b.dv, pb.block)
+        bm = block_mask(pb, q_pos, b)
+        if _visible(bm):
+            bwd.add(b.k, b.v, bm, b.dk, b.dv, pb.tile)
         report(progress, i + 1, total)
-    dq *= pb.scale
-    return kernels.unfold_rows(dq, pb.H), dk, dv
-
-
+    return bwd.result(), dk, dv

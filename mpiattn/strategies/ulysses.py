@@ -12,15 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import backend, kernels
+from .. import backend
+from ..kernels import engines
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
+from . import masking
 from .problem import Problem, Progress, full_mask, report
 
 __all__ = ["ulysses_forward", "ulysses_backward"]
 
 
-def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: str) -> Any:
+def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: Any) -> Any:
     """``(B, Hx, n_r, F)`` sequence-sharded -> ``(B, Hx/P, n_total, F)`` head-sharded, global order."""
     xp = backend.array_module(x)
     P = c.size
@@ -42,7 +44,7 @@ def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: str) -> Any:
     return out
 
 
-def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: str) -> Any:
+def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
     """Inverse of :func:`_seq_to_heads`: ``(B, Hx/P, N, F)`` -> ``(B, Hx, n_r, F)``."""
     xp = backend.array_module(y)
     P = c.size
@@ -65,42 +67,41 @@ def _ulysses_local(pb: Problem) -> Problem:
 
 
 def ulysses_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
-                     progress: Progress) -> tuple[Any, Any]:
+                    progress: Progress) -> tuple[Any, Any]:
+    """Forward through head-sharded attention over the whole sequence."""
     qh = _seq_to_heads(c, q, pb.N, pb.layout)
-    kh = _seq_to_heads(c, k, pb.M, pb.layout)
-    vh = _seq_to_heads(c, v, pb.M, pb.layout)
-    bm = kernels.BlockMask(np.arange(pb.N), np.arange(pb.M), pb.causal,
-                           full_mask(c, pb, mask) if pb.masked else None)
+    kh = _seq_to_heads(c, k, pb.M, pb.kv_layout)
+    vh = _seq_to_heads(c, v, pb.M, pb.kv_layout)
+    bm = masking.block_mask(pb, np.arange(pb.N), np.arange(pb.M),
+                            full_mask(c, pb, mask) if pb.masked else None)
     lp = _ulysses_local(pb)
-    st = kernels.ForwardState.start(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
-    kernels.forward_block(st, lp.G, kh, vh, bm, pb.block)
+    f = engines.get(pb.engine).forward(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
+    f.add(kh, vh, bm, pb.tile)
     report(progress, 1, 1)
-    o, lse = kernels.finalize(st)
-    o = kernels.unfold_rows(o.astype(pb.dtype, copy=False), lp.H)
-    lse = kernels.unfold_rows(lse[..., None], lp.H)
-    return _heads_to_seq(c, o, pb.N, pb.layout), _heads_to_seq(c, lse, pb.N, pb.layout)[..., 0]
+    o, lse = f.result()
+    o = o.astype(pb.dtype, copy=False)
+    return _heads_to_seq(c, o, pb.N, pb.layout), _heads_to_seq(c, lse[..., None], pb.N, pb.layout)[..., 0]
 
 
-def ulysses_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: Any,
-                      mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+def ulysses_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                     D: Any, mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
+    """Gradients through head-sharded attention over the whole sequence."""
     xp = backend.array_module(q)
     qh = _seq_to_heads(c, q, pb.N, pb.layout)
-    kh = _seq_to_heads(c, k, pb.M, pb.layout)
-    vh = _seq_to_heads(c, v, pb.M, pb.layout)
+    kh = _seq_to_heads(c, k, pb.M, pb.kv_layout)
+    vh = _seq_to_heads(c, v, pb.M, pb.kv_layout)
     doh = _seq_to_heads(c, dout, pb.N, pb.layout)
     stats = _seq_to_heads(c, xp.stack([lse.astype(pb.acc_dtype), D], axis=-1), pb.N, pb.layout)
-    bm = kernels.BlockMask(np.arange(pb.N), np.arange(pb.M), pb.causal,
-                           full_mask(c, pb, mask) if pb.masked else None)
+    oh = _seq_to_heads(c, out, pb.N, pb.layout) if pb.engine == "torch" else None
+    bm = masking.block_mask(pb, np.arange(pb.N), np.arange(pb.M),
+                            full_mask(c, pb, mask) if pb.masked else None)
     lp = _ulysses_local(pb)
-    bi = kernels.BackwardInputs.start(qh, doh, stats[..., 0], stats[..., 1], lp.Hkv, pb.scale, pb.acc_dtype)
-    dq = xp.zeros(bi.qa.shape[:-1] + (pb.E,), dtype=pb.acc_dtype)
+    bwd = engines.get(pb.engine).backward(qh, doh, oh, stats[..., 0], stats[..., 1], lp.Hkv,
+                                          pb.scale, pb.acc_dtype)
     dk = xp.zeros(kh.shape, dtype=pb.acc_dtype)
     dv = xp.zeros(vh.shape, dtype=pb.acc_dtype)
-    kernels.backward_block(bi, lp.G, kh, vh, bm, dq, dk, dv, pb.block)
+    bwd.add(kh, vh, bm, dk, dv, pb.tile)
     report(progress, 1, 1)
-    dq *= pb.scale
-    dq = kernels.unfold_rows(dq, lp.H)
-    return (_heads_to_seq(c, dq, pb.N, pb.layout), _heads_to_seq(c, dk, pb.M, pb.layout),
-            _heads_to_seq(c, dv, pb.M, pb.layout))
-
-
+    dq = bwd.result()
+    return (_heads_to_seq(c, dq, pb.N, pb.layout), _heads_to_seq(c, dk, pb.M, pb.kv_layout),
+            _heads_to_seq(c, dv, pb.M, pb.kv_layout))

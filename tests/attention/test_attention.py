@@ -86,6 +86,21 @@ def usable(strategy, comm, H, Hkv):
     return not (strategy == "ulysses" and (H % comm.size or Hkv % comm.size))
 
 
+ENGINES = ["native", "torch"]
+
+
+def engine_or_skip(engine, strategy, dtype=np.float64, xp=np):
+    """Skip (with the reason) where the engine does not apply or cannot run here."""
+    if engine == "native":
+        return
+    if strategy == "materialized":
+        pytest.skip("the materialized strategy runs the products, not an engine")
+    from mpiattn.kernels import torch_engine
+    why = torch_engine.supports(xp.__name__, dtype, 8, 8, ("causal", "padding"))
+    if why is not None:
+        pytest.skip(f"torch engine: {why}")
+
+
 def assert_close(got, want, tol, what):
     got = host(got).astype(np.float64)
     scale = max(1.0, float(np.abs(want).max(initial=0)))
@@ -110,13 +125,16 @@ def check_all(res, ref, tol):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padding", [None, "random", "one-batch-all"])
-def test_float64_matrix(comm, xp, strategy, layout, causal, padding):
-    """Every strategy x layout x causal x padding, GQA, N != M, lengths not divisible by P or 2P."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_float64_matrix(comm, xp, strategy, layout, causal, padding, engine):
+    """Every strategy x layout x causal x padding x engine, GQA, N != M, lengths not divisible by P or 2P."""
     B, H, Hkv, N, M, E, Ev = 2, 4, 2, 23, 19, 8, 6
     if not usable(strategy, comm, H, Hkv):
         pytest.skip("ulysses needs heads divisible by P")
+    engine_or_skip(engine, strategy, np.float64, xp)
     Q, K, V, dO, mask = make_case(1, B, H, Hkv, N, M, E, Ev, np.float64, padding)
-    res = run(xp, Q, K, V, dO, mask, layout, causal=causal, strategy=strategy, block_size=4)
+    res = run(xp, Q, K, V, dO, mask, layout, causal=causal, strategy=strategy, block_size=4,
+              engine=engine)
     ref = reference(Q, K, V, causal, None, mask, dO)
     check_all(res, ref, TOL[np.float64])
     if padding == "one-batch-all":  # every key of batch 0 masked: zeros, -inf, zero grads
@@ -127,21 +145,26 @@ def test_float64_matrix(comm, xp, strategy, layout, causal, padding):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("strategy", STRATS)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_low_precision(comm, xp, dtype, strategy, layout):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_low_precision(comm, xp, dtype, strategy, layout, engine):
     B, H, Hkv, N, M, E, Ev = 1, 4, 4, 30, 30, 16, 16
     if not usable(strategy, comm, H, Hkv):
         pytest.skip("ulysses needs heads divisible by P")
+    engine_or_skip(engine, strategy, dtype, xp)
     Q, K, V, dO, mask = make_case(2, B, H, Hkv, N, M, E, Ev, dtype, "random")
-    res = run(xp, Q, K, V, dO, mask, layout, causal=True, strategy=strategy, block_size=8)
+    res = run(xp, Q, K, V, dO, mask, layout, causal=True, strategy=strategy, block_size=8,
+              engine=engine)
     check_all(res, reference(Q, K, V, True, None, mask, dO), TOL[dtype])
 
 
 @pytest.mark.parametrize("N,M", [(0, 5), (5, 0), (1, 1), (3, 11)])
-def test_tiny_and_empty_shards(comm, xp, N, M):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tiny_and_empty_shards(comm, xp, N, M, engine):
     """Fewer rows than ranks: some ranks own nothing; M = 0 means no visible key."""
+    engine_or_skip(engine, "ring", np.float64, xp)
     Q, K, V, dO, _ = make_case(3, 1, 2, 1, N, M, 4, 3, np.float64, None)
     for strategy in ("ring", "allgather"):
-        res = run(xp, Q, K, V, dO, None, "zigzag", strategy=strategy, block_size=2)
+        res = run(xp, Q, K, V, dO, None, "zigzag", strategy=strategy, block_size=2, engine=engine)
         check_all(res, reference(Q, K, V, False, None, None, dO), TOL[np.float64])
 
 
@@ -170,15 +193,17 @@ def test_strategies_agree_and_repeat_bitwise(comm, xp):
 
 
 @pytest.mark.parametrize("strategy", STRATS)
-def test_gradients_by_finite_differences(comm, xp, strategy):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradients_by_finite_differences(comm, xp, strategy, engine):
     """d/dx of L = sum(W * out) for a few entries of q, k, v, by central differences."""
     B, H, Hkv, N, M, E, Ev = 1, 2, 2, 7, 6, 3, 2
     if not usable(strategy, comm, H, Hkv):
         pytest.skip("ulysses needs heads divisible by P")
+    engine_or_skip(engine, strategy, np.float64, xp)
     Q, K, V, W, mask = make_case(6, B, H, Hkv, N, M, E, Ev, np.float64, "random")
     mask[:, 0] = False
     layout = "zigzag"
-    kw = dict(causal=True, strategy=strategy, layout=layout, block_size=2)
+    kw = dict(causal=True, strategy=strategy, layout=layout, block_size=2, engine=engine)
 
     def loss(Qx, Kx, Vx):
         sh = lambda x, axis=-2: xp.asarray(mpiattn.shard(x, axis=axis, layout=layout))  # noqa: E731
@@ -213,7 +238,8 @@ def test_zigzag_balances_causal_work(comm, monkeypatch):
     Q, K, V, _, _ = make_case(8, 1, 1, 1, N, N, 4, 4, np.float32, None)
     sh = lambda x: mpiattn.shard(x, layout="zigzag")  # noqa: E731
     q = sh(Q)
-    mpiattn.attention(q, sh(K), sh(V), causal=True, layout="zigzag", strategy="ring", block_size=tile)
+    mpiattn.attention(q, sh(K), sh(V), causal=True, layout="zigzag", strategy="ring", block_size=tile,
+                      engine="native")
     every = -(-q.shape[2] // tile) * (N // tile)  # zigzag chunks are multiples of the tile here
     fracs = comm.allgather_obj(computed[0] / every)
     assert all(0.4 <= f <= 0.65 for f in fracs), fracs
@@ -289,14 +315,37 @@ def test_bad_input_same_error_everywhere(comm, xp, case):
         mpiattn.attention(q, k, v, **kw)
 
 
-def test_nonfinite_allowed_when_asked(comm, xp):
-    q, k, v, _ = _good(xp)
-    if q.size:
-        q = q.copy()
-        q[(0,) * q.ndim] = np.inf
-    with np.errstate(invalid="ignore"):
-        out, _ = mpiattn.attention(q, k, v, check_finite=False)
-    assert out.shape[:3] == q.shape[:3]
+def _same_nonfinite(got, want, tol=1e-10):
+    """``got`` is non-finite exactly where ``want`` is, and close to it elsewhere."""
+    bad = ~np.isfinite(want)
+    np.testing.assert_array_equal(~np.isfinite(got), bad)
+    np.testing.assert_allclose(got[~bad], want[~bad], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("where", ["nan-key", "inf-query"])
+def test_nonfinite_allowed_when_asked(comm, xp, strategy, where):
+    """check_finite=False: a NaN key makes exactly the rows that see it NaN (an Inf query its own row
+    non-finite); every other row is the exact result."""
+    P = comm.size
+    Q, K, V, _, _ = make_case(21, 1, 4 * P, 2 * P, 12, 12, 4, 3, np.float64, None)  # ulysses: P | H, Hkv
+    if where == "nan-key":
+        K[0, 0, 7, 1] = np.nan  # seen by query heads 0 and 1, causal rows 7..11
+    else:
+        Q[0, 1, 5, 0] = np.inf  # query head 1, row 5
+    with np.errstate(all="ignore"):
+        ref_out, ref_lse = reference(Q, K, V, causal=True)
+    bad_rows = ~np.isfinite(ref_out).all(-1)
+    assert bad_rows.sum() == (10 if where == "nan-key" else 1)  # (the reference propagates it)
+    sh = lambda x: xp.asarray(mpiattn.shard(x, layout="zigzag"))  # noqa: E731
+    with pytest.raises(ValueError, match="NaN or Inf"):  # by default it is refused
+        mpiattn.attention(sh(Q), sh(K), sh(V), causal=True, layout="zigzag", strategy=strategy)
+    with np.errstate(all="ignore"):
+        out, lse = mpiattn.attention(sh(Q), sh(K), sh(V), causal=True, layout="zigzag", strategy=strategy,
+                                     block_size=2, check_finite=False, engine="native")
+        # (torch's kernels mask by adding -inf, so a NaN key can spread to hidden rows of its block)
+    _same_nonfinite(host(out), mpiattn.shard(ref_out, layout="zigzag"))
+    _same_nonfinite(host(lse), mpiattn.shard(ref_lse, axis=-1, layout="zigzag"))
 
 
 @pytest.mark.mpi(min_size=2)

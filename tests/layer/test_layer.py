@@ -11,12 +11,13 @@ import math
 import os
 
 import numpy as np
+from mpiattn.comm import device as comm_device
 import pytest
 
 import mpiattn
 from mpiattn import MultiheadAttention
 
-from conftest import host
+from helpers import host
 
 
 # ----------------------------------------------------------------- reference
@@ -112,14 +113,15 @@ def make_inputs(layer, B, N, M, self_attn, seed, pad_frac=0.0):
     return xq, xk, xv, pad, dy
 
 
-def run_layer(layer, xp, xq, xk, xv, pad, dy, self_attn, causal=False, layout="contiguous", comm=None):
+def run_layer(layer, xp, xq, xk, xv, pad, dy, self_attn, causal=False, layout="contiguous", comm=None,
+              engine="auto"):
     """Shard global inputs, run forward and backward; return gathered host results."""
     dt = layer.dtype
     sh = lambda a: mpiattn.shard(xp.asarray(a.astype(dt)), comm, axis=1, layout=layout)
     q = sh(xq)
     k, v = (None, None) if self_attn else (sh(xk), sh(xv))
     mask = None if pad is None else mpiattn.shard(xp.asarray(pad), comm, axis=1, layout=layout)
-    y = layer.forward(q, k, v, comm, causal=causal, key_padding_mask=mask, layout=layout)
+    y = layer.forward(q, k, v, comm, causal=causal, key_padding_mask=mask, layout=layout, engine=engine)
     assert y.shape == q.shape and y.dtype == dt
     dq, dk, dv = layer.backward(sh(dy))
     gat = lambda a: host(mpiattn.gather(a, comm, axis=1, layout=layout, root=None))
@@ -412,13 +414,13 @@ def test_device_arrays_with_fake_cupy(comm, xp, monkeypatch):
 
     for cache in ("_STREAMS", "_UPLOADERS"):  # keep the fake's streams out of module caches
         monkeypatch.setattr(gpu, cache, {})
-    monkeypatch.setattr(gpu, "_SAID", set())
+    monkeypatch.setattr(comm_device, "_SAID", set())
     cp = fake_cupy.install(monkeypatch)
     own = Comm(MPI.COMM_WORLD.Dup())  # its device transport dies with the fake
     try:
         layer = make_layer(np, E=8, H=4, Hkv=2, kdim=6, dtype=np.float32)
         args = make_inputs(layer, 2, 9, 7, False, seed=31, pad_frac=0.3)
-        want = run_layer(layer, np, *args, False, causal=True)
+        want = run_layer(layer, np, *args, False, causal=True, engine="native")  # the CuPy run is native
         g_want = {k: g.copy() for k, g in layer.grads.items()}
         assert layer.to("cupy") is layer and layer.xp is cp
         assert all(type(p).__module__ == "cupy" for p in layer.params.values())

@@ -1,0 +1,160 @@
+"""The torch engine: each key/value block through torch's fused flash-attention kernels.
+
+The block is split into calls of :mod:`mpiattn.kernels.torch_ops` that the
+fused kernels serve at full speed, by the global positions of the rows:
+
+* queries and keys are cut into runs of consecutive global positions (the
+  layouts' segments, the ring's pieces);
+* without positional rules a run pair is one call (padding, if any, as an
+  additive mask);
+* causal (``j <= i``), queries ``[a, b)`` against keys ``[c, d)``: keys
+  before ``a`` are visible to every query (one unmasked call); keys from
+  ``max(a, c)`` on are top-left aligned with the queries from ``max(a, c)``,
+  which is exactly torch's ``is_causal`` (one call); query rows before ``c``
+  see nothing (skipped).
+
+Each call returns its rows' ``(out, lse)``, merged into the running result
+with the overflow-safe log-sum-exp update. The backward makes the same calls
+with the global ``out`` and ``lse`` (exact per block, FlashAttention-2).
+
+Supported: NumPy (torch CPU) float32, float64, float16; CuPy (torch CUDA)
+float16, float32 with head dims that are multiples of 8 (not yet run on a
+GPU); masks: causal and key padding (windows and documents go to
+``native``). Tested with torch 2.13.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import backend
+from . import torch_ops
+from .masks import BlockMask
+
+__all__ = ["TorchEngine", "supports", "runs"]
+
+#: Target bytes of one key/value block in flight when the caller gave no block size.
+BLOCK_BYTES = 64 * 2**20
+
+
+def runs(pos: np.ndarray) -> list[tuple[int, int]]:
+    """Local index ranges ``[(i0, i1), ...]`` over which ``pos`` increases by exactly 1."""
+    if pos.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    edges = [0, *cuts.tolist(), int(pos.size)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def supports(xp_name: str, dtype: Any, E: int, Ev: int, rules: tuple[str, ...]) -> str | None:
+    """None when the torch engine handles the case, else a one-line reason (local, no MPI).
+
+    Parameters
+    ----------
+    xp_name : {"numpy", "cupy"}
+    dtype : the inputs' dtype
+    E, Ev : head dims
+    rules : the active mask rules, e.g. ``("causal", "padding")``
+    """
+    extra = [r for r in rules if r not in ("causal", "padding")]
+    if extra:
+        return f"the torch engine has no {', '.join(extra)} masks"
+    dt = np.dtype(dtype)
+    if xp_name == "cupy":
+        if dt not in (np.float16, np.float32):
+            return f"the torch engine on CUDA takes float16 or float32, not {dt}"
+        if E % 8 or Ev % 8:
+            return "the torch engine on CUDA needs head dims that are multiples of 8"
+    elif dt not in (np.float16, np.float32, np.float64):
+        return f"the torch engine takes float16, float32 or float64, not {dt}"
+    why = torch_ops.available()
+    if why is None and xp_name == "cupy":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "torch has no CUDA here"
+    return why
+
+
+def _calls(mask: BlockMask) -> Iterator[tuple[int, int, int, int, bool]]:
+    """The calls of one block: ``(i0, i1, j0, j1, causal_aligned)`` in local rows."""
+    q_runs, k_runs = runs(mask.q_pos), runs(mask.k_pos)
+    for i0, i1 in q_runs:
+        a, b = int(mask.q_pos[i0]), int(mask.q_pos[i1 - 1]) + 1
+        for j0, j1 in k_runs:
+            c, d = int(mask.k_pos[j0]), int(mask.k_pos[j1 - 1]) + 1
+            if not mask.causal:
+                yield i0, i1, j0, j1, False
+                continue
+            if c < a:  # keys [c, min(a, d)) are visible to every query of the run
+                yield i0, i1, j0, j0 + min(a, d) - c, False
+            s = max(a, c)
+            if s < min(b, d):  # keys [s, d) against queries [s, b): top-left causal
+                yield i0 + s - a, i1, j0 + s - c, j1, True
+
+
+def _padding(mask: BlockMask, j0: int, j1: int) -> Any:
+    return None if mask.pad is None else ~mask.pad[:, None, None, j0:j1]
+
+
+class _TorchForward:
+    def __init__(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int):
+        xp = backend.array_module(q)
+        B, H, n, _ = q.shape
+        self.q, self.scale = q, scale
+        self.out = xp.zeros((B, H, n, ev), dtype=acc_dtype)
+        self.lse = xp.full((B, H, n), -np.inf, dtype=acc_dtype)
+
+    def add(self, k: Any, v: Any, mask: BlockMask, tile: int) -> None:
+        for i0, i1, j0, j1, aligned in _calls(mask):
+            o_c, lse_c = torch_ops.block_forward(
+                self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], scale=self.scale,
+                mask=_padding(mask, j0, j1), causal_aligned=aligned)
+            torch_ops.merge(self.out[:, :, i0:i1], self.lse[:, :, i0:i1], o_c, lse_c)
+
+    def result(self) -> tuple[Any, Any]:
+        return self.out, self.lse
+
+
+class _TorchBackward:
+    def __init__(self, q: Any, dout: Any, out: Any, lse: Any, scale: float, acc_dtype: Any):
+        xp = backend.array_module(q)
+        self.q, self.dout, self.scale = q, dout, scale
+        self.out = out.astype(q.dtype, copy=False)
+        self.lse = lse
+        self.dq = xp.zeros(q.shape, dtype=acc_dtype)
+
+    def add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any, tile: int) -> None:
+        for i0, i1, j0, j1, aligned in _calls(mask):
+            dq_c, dk_c, dv_c = torch_ops.block_backward(
+                self.dout[:, :, i0:i1], self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1],
+                self.out[:, :, i0:i1], self.lse[:, :, i0:i1], scale=self.scale,
+                mask=_padding(mask, j0, j1), causal_aligned=aligned)
+            self.dq[:, :, i0:i1] += dq_c
+            dk[:, :, j0:j1] += dk_c
+            dv[:, :, j0:j1] += dv_c
+
+    def result(self) -> Any:
+        return self.dq
+
+
+class TorchEngine:
+    """torch's fused kernels per block (see the module docstring for what it supports)."""
+
+    name = "torch"
+
+    def forward(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int) -> _TorchForward:
+        """Start a forward pass for queries ``q (B, H, n, E)``."""
+        return _TorchForward(q, hkv, scale, acc_dtype, ev)
+
+    def backward(self, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
+                 acc_dtype: Any) -> _TorchBackward:
+        """Start a backward pass with the global ``out`` and ``lse`` (torch forms ``D`` itself)."""
+        return _TorchBackward(q, dout, out, lse, scale, acc_dtype)
+
+    @staticmethod
+    def block_rows(default: int, *, row_bytes: int, max_rows: int) -> int:
+        """Large blocks (few calls, few merges): up to :data:`BLOCK_BYTES` per block in flight."""
+        return max(default, min(max(max_rows, 1), BLOCK_BYTES // max(row_bytes, 1)))

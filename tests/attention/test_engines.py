@@ -1,0 +1,136 @@
+"""Engine selection and the engine contract (native vs torch), against float64 on gathered arrays."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpiattn
+from mpiattn.kernels import engines, torch_engine, torch_ops
+from mpiattn.strategies import problem
+
+from helpers import host
+
+
+def _case(comm, dtype=np.float32, N=40, causal=False, seed=0):
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((1, 2, N, 8)).astype(dtype)
+    K = rng.standard_normal((1, 1, N, 8)).astype(dtype)
+    V = rng.standard_normal((1, 1, N, 8)).astype(dtype)
+    return tuple(mpiattn.shard(x) for x in (Q, K, V))
+
+
+def _chosen(comm, monkeypatch, **kw):
+    """The engine validate() agrees on for a small call."""
+    q, k, v = _case(comm, kw.pop("dtype", np.float32))
+    c = mpiattn.get_comm(comm.mpi)
+    pb = problem.validate(c, q, k, v, None, {}, causal=kw.pop("causal", False), scale=None,
+                          layout="contiguous", strategy="ring", block_size=None,
+                          check_finite=True, **kw)
+    return pb.engine, pb.engine_reason
+
+
+def test_local_choice_rule():
+    have = torch_engine.supports("numpy", np.float32, 8, 8, ()) is None
+    assert engines.local_choice("native", "numpy", np.float32, 8, 8, ())[0] == "native"
+    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("causal",))
+    assert name == ("torch" if have else "native"), why
+    assert engines.local_choice("auto", "numpy", np.float16, 8, 8, ())[0] == "native"
+    assert engines.local_choice("auto", "cupy", np.float32, 8, 8, ())[0] == "native"
+    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("window",))
+    assert name == "native" and "window" in why
+    name, why = engines.local_choice("torch", "numpy", np.int32, 8, 8, ())
+    assert name == "" and "int32" in why
+
+
+def test_torch_absent_gives_native(comm, monkeypatch):
+    monkeypatch.setattr(torch_ops, "available", lambda: "torch not importable: No module named 'torch'")
+    name, why = _chosen(comm, monkeypatch, engine="auto")
+    assert name == "native" and "not importable" in why
+    with pytest.raises(ValueError, match="engine 'torch' cannot run on rank 0: torch not importable"):
+        _chosen(comm, monkeypatch, engine="torch")
+
+
+def test_one_rank_without_torch_makes_every_rank_native(comm, monkeypatch):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    if torch_engine.supports("numpy", np.float32, 8, 8, ()) is not None:
+        pytest.skip("torch engine not usable here")
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(torch_ops, "available", lambda: "torch missing on this node")
+    name, why = _chosen(comm, monkeypatch, engine="auto")
+    assert name == "native" and f"rank {comm.size - 1}" in why
+    with pytest.raises(ValueError, match=f"cannot run on rank {comm.size - 1}"):
+        _chosen(comm, monkeypatch, engine="torch")
+
+
+def test_unknown_engine_same_error_everywhere(comm):
+    q, k, v = _case(comm)
+    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+        mpiattn.attention(q, k, v, engine="fast" if comm.rank == 0 else "auto")
+
+
+def test_ranks_must_agree_on_engine(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    q, k, v = _case(comm)
+    with pytest.raises(ValueError, match="ranks disagree on engine"):
+        mpiattn.attention(q, k, v, engine="native" if comm.rank else "auto")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_torch_matches_native_no_nan(comm, causal, layout):
+    """Both engines, rows with no visible key included: same numbers, never NaN."""
+    if torch_engine.supports("numpy", np.float64, 8, 8, ()) is not None:
+        pytest.skip("torch engine not usable here")
+    rng = np.random.default_rng(3)
+    B, H, Hkv, N, E = 2, 4, 2, 37, 8
+    X = [rng.standard_normal(s) for s in ((B, H, N, E), (B, Hkv, N, E), (B, Hkv, N, E), (B, H, N, E))]
+    pad = rng.random((B, N)) < 0.4
+    pad[1] = True  # batch 1: no key at all
+    sh = lambda x, axis=-2: mpiattn.shard(x, axis=axis, layout=layout)  # noqa: E731
+    q, k, v, do = (sh(x) for x in X)
+    kw = dict(causal=causal, layout=layout, key_padding_mask=sh(pad, -1), block_size=5)
+    got = {}
+    for engine in ("native", "torch"):
+        o, lse = mpiattn.attention(q, k, v, engine=engine, **kw)
+        grads = mpiattn.attention_backward(do, q, k, v, o, lse, engine=engine, **kw)
+        got[engine] = [host(x) for x in (o, lse, *grads)]
+    for a, b in zip(got["native"], got["torch"]):
+        assert not np.isnan(b).any()
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b))
+        fin = np.isfinite(a)
+        np.testing.assert_allclose(b[fin], a[fin], rtol=1e-10, atol=1e-10)
+    assert np.all(got["torch"][0][1] == 0) and np.all(np.isneginf(got["torch"][1][1]))
+
+
+def test_causal_calls_cover_each_visible_pair_once():
+    """The causal split of a block into torch calls: every visible pair exactly once, nothing hidden."""
+    from mpiattn.kernels.masks import BlockMask
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        q_pos = np.sort(rng.choice(60, size=rng.integers(1, 30), replace=False))
+        k0 = int(rng.integers(0, 50))
+        k_pos = np.concatenate([np.arange(k0, k0 + int(rng.integers(1, 10))),
+                                np.arange(k0 + 20, k0 + 20 + int(rng.integers(0, 8)))])
+        mask = BlockMask(q_pos, k_pos, causal=True)
+        seen = np.zeros((q_pos.size, k_pos.size), int)
+        for i0, i1, j0, j1, aligned in torch_engine._calls(mask):
+            vis = np.ones((i1 - i0, j1 - j0), bool)
+            if aligned:
+                vis = np.arange(j1 - j0)[None, :] <= np.arange(i1 - i0)[:, None]
+            seen[i0:i1, j0:j1] += vis
+        want = (k_pos[None, :] <= q_pos[:, None]).astype(int)
+        np.testing.assert_array_equal(seen, want)
+
+
+def test_import_does_not_import_torch(serial_only):
+    code = ("import sys, numpy as np, mpiattn\n"
+            "from mpiattn.kernels import engines\n"
+            "assert 'torch' not in sys.modules, 'import mpiattn imported torch'\n"
+            "q = np.ones((1, 1, 4, 2)); o, l = mpiattn.attention(q, q, q, engine='native')\n"
+            "assert 'torch' not in sys.modules, 'the native engine imported torch'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
