@@ -15,6 +15,7 @@ import numpy as np
 from .. import __version__
 from .. import gpu, io
 from ..io import datagen
+from ..kernels import torch_ops
 from ..layouts import all_segments
 from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError, agreed, local_errors
 from .steps import Timer, gpu_status, host_names, run_file, world_comm
@@ -148,6 +149,11 @@ def cmd_info(args: Any, con: Console) -> int:
     else:
         con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
     con.say(f"CUDA-aware {transport}")
+    torch_why = c.allgather_obj(torch_ops.available())
+    bad = [(r, why) for r, why in enumerate(torch_why) if why is not None]
+    con.say("engines    native (always); torch: "
+            + ("usable on every rank (auto uses it for NumPy float32/float64 with causal/padding masks)"
+               if not bad else f"not usable (rank {bad[0][0]}: {bad[0][1]}); auto uses native"))
     return 0
 
 

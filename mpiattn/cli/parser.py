@@ -9,6 +9,8 @@ import math
 
 
 from .. import __version__
+from ..kernels.engines import ENGINES
+from ..strategies import STRATEGIES
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
@@ -57,12 +59,14 @@ def _fraction(text: str) -> float:
 
 # ----------------------------------------------------------------- the parser
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
-    from .strategies import STRATEGIES
 
     p.add_argument("--strategy", choices=STRATEGIES, default="auto",
                    help="distributed algorithm (default auto: chosen by a cost model)")
     p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto",
                    help="rows per rank; auto = zigzag when causal (load balance), else contiguous")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="local kernels: native (mpiattn's own), torch (torch's fused kernels), "
+                        "auto (torch where installed and supported, else native; the default)")
     p.add_argument("--block-size", type=_positive_int, default=None, metavar="ROWS",
                    help="rows per exchanged key/value block and score tile (default 512)")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto",

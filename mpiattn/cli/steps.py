@@ -10,7 +10,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -79,6 +79,8 @@ class Settings:
     block_size: int | None
     xp: Any
     device_note: str = ""
+    engine: str = "auto"
+    used: dict = field(default_factory=dict)  # what attention() reports it used
 
     def strategy_used(self, inp: Any, P: int) -> str:
         """What ``auto`` resolves to (the attention module's cost model), else the strategy."""
@@ -117,11 +119,11 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(causal=st.causal, scale=st.scale, key_padding_mask=mask, layout=st.layout,
-              strategy=st.strategy, block_size=st.block_size,
+              strategy=st.strategy, block_size=st.block_size, engine=st.engine,
               check_finite=False)  # read_input checked them (unless --allow-nonfinite)
     with agreed():
         with timer.phase("forward"):
-            out, lse = attention(q, k, v, c, progress=con.progress("forward"), **kw)
+            out, lse = attention(q, k, v, c, progress=con.progress("forward"), details=st.used, **kw)
         results = {"out": out, "lse": lse}
         if backward:
             with timer.phase("backward"):
@@ -217,7 +219,9 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
             "causal": st.causal,
             "scale": st.scale if st.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
-            "block_size": st.block_size, "input_path": inp.info["path"],
+            "block_size": st.block_size, "engine": st.engine,
+            "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
+            "input_path": inp.info["path"],
             "input_size": inp.info["size"], "input_mtime": inp.info["mtime"], "created": now,
             "command": " ".join(["mpiattn", *sys.argv[1:]]),
             **{f"time_{k}_s": v for k, v in timer.times.items()}}
@@ -245,7 +249,8 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
             raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
     xp, note = select_device(c, args.device, args.gpu_transport)
     scale = inp.scale if getattr(args, "scale", None) is None else args.scale
-    st = Settings(causal, scale, layout, args.strategy, args.block_size, xp, note)
+    st = Settings(causal, scale, layout, args.strategy, args.block_size, xp, note,
+                  getattr(args, "engine", "auto"))
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
     hosts = host_names(c)
     _header(con, title, c, hosts, path, inp, st, backward)
@@ -257,6 +262,8 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     if getattr(args, "check", True):
         with timer.phase("check"):
             verdict = _check(c, results, inp, st, getattr(args, "check_limit_gib", 4.0))
+    con.say(f"  engine   {st.used.get('engine', '?')} ({st.used.get('engine_reason', '')}), "
+            f"blocks of {st.used.get('block_size', '?')} rows")
     con.say(f"  time     {timer.summary()}")
     if verdict:
         con.say(f"  check    {verdict}")
