@@ -64,7 +64,8 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
               layout: Any = "contiguous", strategy: str = "auto", block_size: int | None = None,
               check_finite: bool = True, progress: Progress = None,
               engine: str = "auto", window: tuple | None = None, segment_ids: Any = None,
-              kv_segment_ids: Any = None, kv_layout: Any = None) -> tuple[Any, Any]:
+              kv_segment_ids: Any = None, kv_layout: Any = None,
+              details: dict | None = None) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
     ``out[i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over the keys ``j``
@@ -126,6 +127,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
         masks), ``auto`` (torch where it is installed and supports the case
         on NumPy float32/float64 inputs, else native). Every rank uses the
         same engine.
+    details : dict, optional
+        Filled with what was used: ``strategy``, ``engine``, ``engine_reason``,
+        ``block_size`` (rows per exchanged key/value block).
 
     Returns
     -------
@@ -152,6 +156,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
                   strategy=strategy, block_size=block_size, check_finite=check_finite,
                   engine=engine, window=window, segment_ids=segment_ids,
                   kv_segment_ids=kv_segment_ids, kv_layout=kv_layout)
+    if details is not None:
+        details.update(strategy=pb.strategy, engine=pb.engine, engine_reason=pb.engine_reason,
+                       block_size=pb.block)
     with c.abort_on_error():
         o, lse = _FORWARD[pb.strategy](c, pb, q, k, v, key_padding_mask, progress)
     return o.astype(pb.dtype, copy=False), lse.astype(pb.acc_dtype, copy=False)
