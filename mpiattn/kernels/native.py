@@ -24,14 +24,15 @@ Dao et al. 2022/2023)::
     end: O = O / l;  lse = m + log l      (no visible key: O = 0, lse = -inf)
 
 The result does not depend on which shift ``m`` is used, as long as
-``exp(S - m)`` neither overflows nor loses the row's largest terms. So the
-shift moves only when a tile's row maximum exceeds it by more than
-``TAU`` (or when a row sees its first key), a "lazy rescale" as in
-FlashAttention-4: probabilities stay ``<= exp(TAU)``, ``l >= 1`` once a row has
-seen a key, and most tiles need no rescaling. The shift itself is folded into
-the ``qs K^T`` GEMM (an extra column ``-m`` on the queries, ``1`` on the keys),
-and ``rowsum P`` is a GEMV with a ones vector, so a tile costs two GEMMs and
-three passes (max, exp, and the rare shift) instead of five.
+``exp(S - m)`` neither overflows nor loses the row's largest terms (a "lazy
+rescale" as in FlashAttention-4). So a row's first tile sets ``m`` from its
+maximum, and later tiles use ``m`` as it is, without computing their maxima:
+only when a tile's row sums show that its scores grew more than ``GROWTH``
+above ``m`` (or overflowed) is the tile redone exactly, moving ``m`` to
+within ``TAU`` of the new maximum. The shift is folded into the ``qs K^T``
+GEMM (an extra column ``-m`` on the queries, ``1`` on the keys) and
+``rowsum P`` into the ``P V`` GEMM (a ones column on ``V``), so most tiles
+cost two GEMMs and one elementwise pass (exp) instead of five passes.
 
 Backward, recomputing ``P`` from ``lse``::
 
@@ -50,6 +51,7 @@ maximum, fewer passes): :func:`_tile_fused` instead of :func:`_tile_generic`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -69,6 +71,12 @@ DEFAULT_TILE = 512
 #: Lazy-rescale threshold (natural-log units): the running shift of a row
 #: moves only when a tile's scores exceed it by more than this.
 TAU = 8.0
+
+#: How far (natural-log units) a row's scores may grow above its shift before
+#: a tile is redone exactly: probabilities stay below ``exp(GROWTH)``, far from
+#: overflow in float32 (``exp(88)``) while sums stay exact to rounding.
+GROWTH = 30.0
+_GROWTH_LIMIT = {"f": np.float32(math.exp(GROWTH)), "d": np.float64(math.exp(GROWTH))}
 
 
 def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any, pad: int = 0) -> Any:
@@ -119,6 +127,14 @@ class Workspace:
             buf = self.xp.empty(max(size, 1), dtype=dtype)
             self._bufs[name] = buf
         return buf[:size].reshape(shape)
+
+    def with_ones(self, name: str, x: Any, k0: int, k1: int, dtype: Any) -> Any:
+        """``[x[k0:k1], 1]``: ``(B, Hkv, k1-k0, F+1)`` in ``dtype`` (the ones column sums a GEMM's rows)."""
+        F = x.shape[-1]
+        xo = self.get(name, x.shape[:2] + (k1 - k0, F + 1), dtype)
+        xo[..., :F] = x[..., k0:k1, :]
+        xo[..., F] = 1
+        return xo
 
     def transposed(self, name: str, x: Any, k0: int, k1: int, dtype: Any) -> Any:
         """``[x[k0:k1]^T ; 1]``: ``(B, Hkv, F+1, k1-k0)`` in ``dtype`` (the ones row carries a GEMM shift)."""
@@ -181,6 +197,20 @@ def _query_tiles(mask: BlockMask, j0: int, j1: int, group: int,
             yield i0, i1, i0 * group, i1 * group, vis
 
 
+def _visible_query_tiles(mask: BlockMask, n: int, j0: int, j1: int, group: int,
+                         tile: int) -> Iterator[tuple[int, int, int, int, str]] | None:
+    """:func:`_query_tiles` of key tile ``j0:j1``, or None when no query tile sees it.
+
+    The key tile's operands are prepared only when this is not None, so a key
+    tile (or a whole block) with no visible pair costs host checks only.
+    """
+    if mask.visibility(0, n, j0, j1) == "none":
+        return None
+    tiles = _query_tiles(mask, j0, j1, group, tile)
+    first = next(tiles, None)
+    return None if first is None else itertools.chain((first,), tiles)
+
+
 def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
     """Move the shift of rows whose scores outgrew it (or that saw their first key).
 
@@ -235,36 +265,57 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     lead = st.qa.shape[:2]
     n, nk = mask.q_pos.size, mask.k_pos.size
     tile_step = _tile_fused if fused.use_fused(xp) else _tile_generic
-    ones = xp.ones(min(tile, max(nk, 1)), dtype=dt)
     for j0 in _tiles(nk, tile):
         j1 = min(j0 + tile, nk)
-        if mask.visibility(0, n, j0, j1) == "none":
+        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
+        if tiles is None:
             continue
         kt = ws.transposed("kt", k, j0, j1, dt)
-        vc = xp.ascontiguousarray(v[..., j0:j1, :], dtype=dt)
-        for i0, i1, r0, r1, vis in _query_tiles(mask, j0, j1, group, tile):
+        vc = ws.with_ones("vc", v, j0, j1, dt)
+        for i0, i1, r0, r1, vis in tiles:
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
-            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias, ones[:j1 - j0])
+            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
 
 
 def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
-                  bias: Any, ones: Any) -> None:
-    """One score tile, generic array code: GEMM with the shift folded in, lazy rescale, exp, GEMMs."""
+                  bias: Any) -> None:
+    """One score tile, generic array code: exp is the only pass over the tile in most tiles.
+
+    The shift ``-m`` rides in the ``qs K^T`` GEMM and the row sums in the
+    ``P [V 1]`` GEMM (``vc`` carries a ones column), so a tile costs two GEMMs
+    and one ``exp``, unless a row needs its shift moved: rows seeing their
+    first key, or scores that grew more than :data:`GROWTH` above the shift
+    (then ``rowsum > exp(GROWTH)``, or it overflowed). Such tiles are redone
+    exactly: row maxima, lazy rescale by :func:`_rebase`, exp, GEMM.
+    """
     ws, dt = st.ws, st.qa.dtype
-    E = st.qa.shape[-1] - 1
+    E, Ev = st.qa.shape[-1] - 1, vc.shape[-1] - 1
     m = st.m[..., r0:r1]
+    fresh = bool(xp.isneginf(m).any())
     st.qa[..., r0:r1, E] = xp.where(xp.isneginf(m), dt.type(0), -m)  # S = scores - m straight from the GEMM
     S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
     if bias is not None:
         S += bias
+    pv = ws.get("pv", rows + (Ev + 1,), dt)
+    if not fresh:
+        xp.exp(S, out=S)
+        xp.matmul(S, vc, out=pv)
+        if bool((pv[..., Ev] <= _GROWTH_LIMIT[dt.char]).all()):  # also False for inf / NaN
+            st.l[..., r0:r1] += pv[..., Ev]
+            st.o[..., r0:r1, :] += pv[..., :Ev]
+            return
+        S = xp.matmul(st.qa[..., r0:r1, :], kt, out=S)  # redo this tile exactly
+        if bias is not None:
+            S += bias
     _rebase(xp, st, S, S.max(axis=-1, out=ws.get("r", rows, dt)), r0, r1)
     xp.exp(S, out=S)
-    st.l[..., r0:r1] += xp.matmul(S, ones, out=ws.get("rowsum", rows, dt))
-    st.o[..., r0:r1, :] += xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
+    xp.matmul(S, vc, out=pv)
+    st.l[..., r0:r1] += pv[..., Ev]
+    st.o[..., r0:r1, :] += pv[..., :Ev]
 
 
 def _tile_fused(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
-                bias: Any, ones: Any) -> None:
+                bias: Any) -> None:
     """One score tile with the fused CuPy kernels (exact running maximum)."""
     ws, dt = st.ws, st.qa.dtype
     E = st.qa.shape[-1] - 1
@@ -274,7 +325,7 @@ def _tile_fused(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: An
         S += bias
     alpha = fused.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
     pv = xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
-    fused.rescale_add_(st.o[..., r0:r1, :], alpha, pv)
+    fused.rescale_add_(st.o[..., r0:r1, :], alpha, pv[..., :-1])
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:
@@ -346,14 +397,15 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
     n, nk = mask.q_pos.size, mask.k_pos.size
     for j0 in _tiles(nk, tile):
         j1 = min(j0 + tile, nk)
-        if mask.visibility(0, n, j0, j1) == "none":
+        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
+        if tiles is None:
             continue
         kk = j1 - j0
         kc = xp.ascontiguousarray(k[..., j0:j1, :], dtype=dt)
         kt = ws.transposed("kt", k, j0, j1, dt)
         vt = ws.transposed("vt", v, j0, j1, dt)
         dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
-        for i0, i1, r0, r1, vis in _query_tiles(mask, j0, j1, group, tile):
+        for i0, i1, r0, r1, vis in tiles:
             rows = lead + (r1 - r0,)
             P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
