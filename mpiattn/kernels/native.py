@@ -298,8 +298,9 @@ def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: 
         S += bias
     pv = ws.get("pv", rows + (Ev + 1,), dt)
     if not fresh:
-        xp.exp(S, out=S)
-        xp.matmul(S, vc, out=pv)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below
+            xp.exp(S, out=S)
+            xp.matmul(S, vc, out=pv)
         if bool((pv[..., Ev] <= _GROWTH_LIMIT[dt.char]).all()):  # also False for inf / NaN
             st.l[..., r0:r1] += pv[..., Ev]
             st.o[..., r0:r1, :] += pv[..., :Ev]
