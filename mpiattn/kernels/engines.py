@@ -41,15 +41,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import logging
+
 import numpy as np
 
 from .. import backend
 from . import native, torch_engine
 
-__all__ = ["ENGINES", "NativeEngine", "local_choice", "get"]
+__all__ = ["ENGINES", "NativeEngine", "local_choice", "notice_fallback", "get"]
 
 #: Accepted values of ``engine=``.
 ENGINES = ("auto", "native", "torch")
+
+_log = logging.getLogger("mpiattn.engines")
+_SAID: set[str] = set()  # fall-back notices already given by this process
 
 
 class _NativeForward:
@@ -131,3 +136,13 @@ def get(name: str) -> Any:
     if name == "native":
         return NativeEngine()
     raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(ENGINES)}")
+
+
+def notice_fallback(rank: int, requested: str, chosen: str, why: str) -> None:
+    """One-line notice (rank 0, once per reason) when ``auto`` falls back to native because an
+    installed torch is unusable (untested version, changed op signature); silent without torch."""
+    if rank != 0 or requested != "auto" or chosen != "native" or why in _SAID:
+        return
+    if "untested" in why or "changed signature" in why:
+        _SAID.add(why)
+        _log.warning("mpiattn: using the native engine: %s", why)

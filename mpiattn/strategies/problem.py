@@ -176,6 +176,7 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], 
     check_shares([meta[2] for meta in metas], layout, "query rows (q)")
     dt = np.dtype(dtype)
     engine, why = _agree_engine([meta[-1] for meta in metas], head[-2])
+    engines.notice_fallback(c.rank, head[-2], engine, why)
     tile = int(block or DEFAULT_BLOCK)
     prob = Problem(B, H, Hkv, E, Ev, N, M, dt, backend.accum_dtype(dt),
                    1.0 / math.sqrt(E) if scale is None else scale, causal, layout, strategy,

@@ -134,3 +134,15 @@ def test_import_does_not_import_torch(serial_only):
             "assert 'torch' not in sys.modules, 'the native engine imported torch'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_untested_torch_falls_back_with_one_notice(comm, monkeypatch, caplog):
+    import logging
+    monkeypatch.setattr(torch_ops, "available", lambda: "torch 9.1 untested (tested: 2.13; set MPIATTN_TORCH_UNTESTED=1 to try)")
+    monkeypatch.setattr(engines, "_SAID", set())
+    with caplog.at_level(logging.WARNING, logger="mpiattn.engines"):
+        for _ in range(2):
+            name, why = _chosen(comm, monkeypatch, engine="auto")
+            assert name == "native" and "untested" in why
+    notes = [r.getMessage() for r in caplog.records if r.name == "mpiattn.engines"]
+    assert notes == (["mpiattn: using the native engine: " + why] if comm.rank == 0 else [])
