@@ -16,6 +16,10 @@ How device buffers cross ranks (``MPIATTN_GPU_TRANSPORT``: auto, cuda-aware,
 staged, nccl) is decided collectively in :mod:`mpiattn.comm.device`; its
 public functions are re-exported here. :func:`bind_device` configures the
 communicator it was given.
+
+Host data reaches the device through :func:`upload` (pinned staging buffers
+on a copy stream, :class:`Uploader`); :func:`compute_stream` keeps compute
+off the legacy default stream.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import socket
 import warnings
 from typing import Any
 
+import numpy as np
+
 from .comm.core import get_comm
 from .comm.device import (TRANSPORTS, configure, decide_transport, describe_transport,
                           gather_evidence, judge_evidence)
-from .comm.transports import Uploader
+from .comm.transports import PinnedPool
 
 __all__ = [
     "NoGPUError",
@@ -208,3 +214,26 @@ def upload(host: Any) -> Any:
 _UPLOADERS: dict[int, Any] = {}
 
 
+class Uploader:
+    """Host -> device copies through pinned buffers on a copy stream of their own (for HDF5 slabs)."""
+
+    def __init__(self, cupy: Any):
+        self._cp = cupy
+        self.copy = cupy.cuda.Stream(non_blocking=True)
+        self.pool = PinnedPool(cupy)
+
+    def upload(self, host: Any) -> Any:
+        cp = self._cp
+        src = np.ascontiguousarray(host)
+        out = cp.empty(src.shape, dtype=src.dtype)
+        cur = cp.cuda.get_current_stream()
+        staging = self.pool.take(src.nbytes)
+        staging[...] = src.reshape(-1).view(np.uint8)
+        self.copy.wait_event(cur.record(cp.cuda.Event(disable_timing=True)))
+        if src.nbytes:
+            cp.cuda.runtime.memcpyAsync(out.data.ptr, staging.ctypes.data, src.nbytes,
+                                        cp.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
+        landed = self.copy.record(cp.cuda.Event(disable_timing=True))
+        cur.wait_event(landed)
+        self.pool.give(staging, after=landed)
+        return out

@@ -1,14 +1,14 @@
 """How CuPy buffers cross ranks: CUDA-aware MPI, pinned host staging, or NCCL.
 
 :class:`mpiattn.comm.Comm` hands every CuPy buffer it communicates to one
-transport object (chosen by :func:`mpiattn.gpu.configure`). All transports
-offer the same methods:
+transport object (chosen collectively by :mod:`mpiattn.comm.device`). All
+transports offer the same methods:
 
 ``isend(arr, dest, tag)`` / ``irecv(arr, source, tag)``
     Non-blocking point-to-point of a C-contiguous array (as bytes). They
     return a request with ``wait()``, ``Test()`` and ``Wait()``, and with
-    ``req`` referring to itself, so :meth:`Comm.circulate` can treat it like
-    its MPI requests.
+    ``req`` referring to itself, so :func:`mpiattn.comm.ring.circulate` can
+    treat it like its MPI requests.
 ``send_buf(arr)`` / ``recv_buf(arr)``
     Buffers for the blocking collectives: what to give MPI for ``arr``, and
     for receives a ``finish()`` to call once the collective returned.
@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport", "NcclTransport", "Uploader", "make"]
+__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport", "NcclTransport", "make"]
 
 #: Free pinned bytes kept for reuse (in-flight buffers are not counted).
 PINNED_KEEP_BYTES = 1 << 30
@@ -476,31 +476,6 @@ class NcclTransport:
         for c in self.comms:
             c.destroy()
         self.comms = []
-
-
-# ---------------------------------------------------------------------- upload
-class Uploader:
-    """Host -> device copies through pinned buffers on a copy stream (for HDF5 slabs)."""
-
-    def __init__(self, cupy: Any):
-        self._cp = cupy
-        self.copy = cupy.cuda.Stream(non_blocking=True)
-        self.pool = PinnedPool(cupy)
-
-    def upload(self, host: Any) -> Any:
-        cp = self._cp
-        src = np.ascontiguousarray(host)
-        out = cp.empty(src.shape, dtype=src.dtype)
-        cur = cp.cuda.get_current_stream()
-        staging = self.pool.take(src.nbytes)
-        staging[...] = src.reshape(-1).view(np.uint8)
-        self.copy.wait_event(cur.record(cp.cuda.Event(disable_timing=True)))
-        _copy_async(cp, out.data.ptr, staging.ctypes.data, src.nbytes, cp.cuda.runtime.memcpyHostToDevice,
-                    self.copy)
-        landed = self.copy.record(cp.cuda.Event(disable_timing=True))
-        cur.wait_event(landed)
-        self.pool.give(staging, after=landed)
-        return out
 
 
 def make(name: str, comm: Any, cupy: Any) -> Any:
