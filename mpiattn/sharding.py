@@ -15,12 +15,13 @@ import numpy as np
 from . import backend
 from .comm.core import get_comm
 from .comm.device import prepare
-from .layouts import Segments, check_layout, check_shares, positions, segments, to_global_order
+from .layouts import (Segments, all_segments, check_layout, check_shares, layout_key, positions,
+                      segments, to_global_order)
 
-__all__ = ["partition", "shard", "gather"]
+__all__ = ["partition", "shard", "gather", "relayout_rows"]
 
 
-def partition(n: int, comm: Any = None, layout: str = "contiguous") -> np.ndarray:
+def partition(n: int, comm: Any = None, layout: Any = "contiguous") -> np.ndarray:
     """Global row indices this rank owns of a sequence of length ``n``.
 
     Parameters
@@ -29,7 +30,10 @@ def partition(n: int, comm: Any = None, layout: str = "contiguous") -> np.ndarra
         Global sequence length, ``n >= 0``.
     comm : mpi4py.MPI.Intracomm, optional
         Communicator (default ``MPI.COMM_WORLD``).
-    layout : {"contiguous", "zigzag"}
+    layout : {"contiguous", "zigzag"} or Layout
+        A :class:`mpiattn.Layout` must cover ``n`` rows over the
+        communicator's ranks. (No communication: the ranks' layouts are not
+        compared here; :func:`shard`, :func:`gather` and the computations do.)
 
     Returns
     -------
@@ -56,7 +60,7 @@ def _take_rows(x: Any, segs: Segments, axis: int) -> Any:
     return xp.concatenate(parts, axis=axis)
 
 
-def shard(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous") -> Any:
+def shard(x: Any, comm: Any = None, axis: int = -2, layout: Any = "contiguous") -> Any:
     """This rank's rows of a global array that every rank holds.
 
     Parameters
@@ -65,6 +69,8 @@ def shard(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous") 
         The same global array on every rank.
     axis : int
         The sequence axis (default -2, the rows of a ``(..., N, d)`` array).
+    layout : {"contiguous", "zigzag"} or Layout
+        The same on every rank (checked).
 
     Returns
     -------
@@ -72,11 +78,27 @@ def shard(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous") 
         A contiguous copy of this rank's rows, in the layout's local order.
     """
     c = get_comm(comm)
-    with c.collective_errors():
+
+    def local() -> tuple:
         backend.array_module(x)
         check_layout(layout)
-        axis = _norm_axis(axis, x.ndim)
-    return _take_rows(x, segments(x.shape[axis], c.rank, c.size, layout), axis)
+        ax = _norm_axis(axis, x.ndim)
+        return ax, segments(x.shape[ax], c.rank, c.size, layout), layout_key(layout)
+
+    got = c.allgather_checked(local)
+    _same_layout([g[2] for g in got], "shard")
+    return _take_rows(x, got[c.rank][1], got[c.rank][0])
+
+
+def _same_layout(keys: list, op: str) -> None:
+    for r, key in enumerate(keys):
+        if key != keys[0]:
+            raise ValueError(f"{op}: the layout differs between ranks (rank {r} passes "
+                             f"{_shown(key)}, rank 0 {_shown(keys[0])})")
+
+
+def _shown(key: Any) -> str:
+    return f"an explicit Layout of {key[1]} rows, digest {key[3][:12]}" if isinstance(key, tuple) else repr(key)
 
 
 def _norm_axis(axis: int, ndim: int) -> int:
@@ -85,7 +107,7 @@ def _norm_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def gather(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous",
+def gather(x: Any, comm: Any = None, axis: int = -2, layout: Any = "contiguous",
            root: int | None = 0) -> Any:
     """Assemble the global array from every rank's rows.
 
@@ -117,10 +139,10 @@ def gather(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous",
         ax = _norm_axis(axis, x.ndim)
         if root is not None and not 0 <= root < c.size:
             raise ValueError(f"root {root} is not a rank of a communicator of size {c.size}")
-        return (x.shape, str(x.dtype), ax, layout, root, backend.array_module(x).__name__)
+        return (x.shape, str(x.dtype), ax, layout_key(layout), root, backend.array_module(x).__name__)
 
     meta = c.allgather_checked(local)
-    _check_gather_meta(meta)  # the same data on every rank: the same error everywhere
+    _check_gather_meta(meta, layout)  # the same data on every rank: the same error everywhere
     xp = backend.array_module(x)
     prepare(c, x)
     ax = meta[c.rank][2]
@@ -131,16 +153,61 @@ def gather(x: Any, comm: Any = None, axis: int = -2, layout: str = "contiguous",
     return xp.moveaxis(to_global_order(rows, sum(lengths), c.size, layout), 0, ax)
 
 
-def _check_gather_meta(meta: list) -> None:
+def _check_gather_meta(meta: list, layout: Any) -> None:
     shape0, dtype0, axis0, layout0, root0, xp0 = meta[0]
-    for r, (shape, dtype, axis, layout, root, xp) in enumerate(meta):
+    _same_layout([m[3] for m in meta], "gather")
+    for r, (shape, dtype, axis, _, root, xp) in enumerate(meta):
         if xp != xp0:
             raise ValueError(f"gather: rank {r} passes a {xp} array, rank 0 a {xp0} array")
-        if (axis, layout, root) != (axis0, layout0, root0) or len(shape) != len(shape0):
+        if (axis, root) != (axis0, root0) or len(shape) != len(shape0):
             raise ValueError(f"gather called with different axis/layout/root/ndim on rank {r} than on rank 0")
         if dtype != dtype0:
             raise ValueError(f"gather: rank {r} has dtype {dtype}, rank 0 has {dtype0}")
         other = shape[:axis] + shape[axis + 1:]
         if other != shape0[:axis0] + shape0[axis0 + 1:]:
             raise ValueError(f"gather: rank {r} has shape {shape}, incompatible with rank 0's {shape0}")
-    check_shares([m[0][axis0] for m in meta], layout0, "gather")
+    check_shares([m[0][axis0] for m in meta], layout, "gather")
+
+
+def relayout_rows(c: Any, x: Any, n: int, src: Any, dst: Any) -> Any:
+    """This rank's rows of a global length-``n`` array, moved from layout ``src`` to ``dst``.
+
+    A building block for the strategies (no validation: every rank calls it
+    with the same ``n``, ``src``, ``dst`` and compatible arrays).
+
+    Parameters
+    ----------
+    c : Comm
+    x : ndarray, shape (..., n_r, F)
+        This rank's rows by ``src`` (row axis -2).
+    n : int
+        Global number of rows.
+    src, dst : layout names or :class:`mpiattn.Layout`
+
+    Returns
+    -------
+    ndarray, shape (..., n'_r, F)
+        This rank's rows by ``dst``. One all-to-all of the rows that change
+        owner; ``x`` itself (no copy) when the layouts agree.
+    """
+    if layout_key(src) == layout_key(dst):
+        return x
+    xp = backend.array_module(x)
+    P, r = c.size, c.rank
+    src_pos = [positions(s) for s in all_segments(n, P, src)]
+    owner = np.empty(n, dtype=np.int64)
+    local = np.empty(n, dtype=np.int64)
+    for d, s in enumerate(all_segments(n, P, dst)):
+        p = positions(s)
+        owner[p], local[p] = d, np.arange(p.size)
+    mine = src_pos[r]
+    order = np.lexsort((local[mine], owner[mine]))  # by destination rank, then its local order
+    send_counts = np.bincount(owner[mine], minlength=P).tolist()
+    into = [p[owner[p] == r] for p in src_pos]  # rows I receive from each source
+    rows = xp.moveaxis(x, -2, 0)
+    send = xp.ascontiguousarray(rows[backend.to_device(order, xp)])
+    got = c.alltoallv_rows(send, send_counts, [p.size for p in into])
+    dest = np.concatenate([np.sort(local[p]) for p in into]) if into else np.zeros(0, np.int64)
+    out = xp.empty((dest.size,) + rows.shape[1:], dtype=x.dtype)
+    out[backend.to_device(dest, xp)] = got
+    return xp.ascontiguousarray(xp.moveaxis(out, 0, -2))

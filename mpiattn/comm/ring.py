@@ -58,7 +58,7 @@ def row_pieces(segs: Sequence[tuple[int, int]], block: int) -> list[tuple[int, i
     return out
 
 
-def circulate(c: Comm, data: Sequence[Any], n: int, layout: str, block: int,
+def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
               acc_out: Sequence[Any] = ()) -> Iterator[Piece]:
     """Stream every rank's rows past this rank, block by block, in ring order.
 
@@ -77,7 +77,7 @@ def circulate(c: Comm, data: Sequence[Any], n: int, layout: str, block: int,
         This rank's read-only rows (row axis -2), sent round the ring.
     n : int
         Global number of rows (``sum of m_r``), laid out by ``layout``.
-    layout : str
+    layout : str or Layout
         The layout of the rows.
     block : int
         Maximum rows per piece (bounds the memory of pieces in flight).

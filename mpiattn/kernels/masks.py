@@ -3,28 +3,56 @@
 Every rule is written in *global* positions (``i`` a query row, ``j`` a key
 row), so it holds whatever the layout, and all rules combine by AND::
 
-    causal:   j <= i
-    padding:  not pad[b, j]               (per batch entry b)
+    causal:     j <= i
+    window:     i - left <= j <= i + right      (left or right None: unbounded)
+    documents:  q_seg[b, i] == k_seg[b, j]      (per batch entry b)
+    padding:    not pad[b, j]                   (per batch entry b)
 
 A :class:`BlockMask` describes one query shard against one key/value block.
 Engines ask it, tile by tile, whether a tile of queries ``i0:i1`` and keys
 ``j0:j1`` has no visible pair (skip it), only visible pairs (no mask needed
 except padding), or some (apply :meth:`BlockMask.bias` or
-:meth:`BlockMask.visible`). The positional rules are decided on the host
-from positions alone (no device work, no synchronisation); padding, which
-lives on the device with the keys, is always applied as a bias.
+:meth:`BlockMask.visible`). Causal, window and document rules are decided on
+the host, from positions and host copies of the document ids (no device
+work, no synchronisation); padding, which lives on the device with the
+keys, is always applied as a bias and never makes a tile "none".
+
+How a tile is classified (cheap first, exact where it matters):
+
+* Causal and the window say that ``j - i`` must lie in ``[lo, hi]`` with
+  ``lo = -left`` and ``hi = min(right, 0 if causal)``. The tile's position
+  hulls ``[min, max]`` bound ``j - i``: outside ``[lo, hi]`` -> "none",
+  inside -> "all".
+* Documents: per batch entry, each id's position hull on both sides
+  (sorted once per tile and cached). The tile is "none" when no batch entry
+  has an id on both sides whose hulls meet the band; "all" needs one and
+  the same id on both sides in every batch entry, and the band "all".
+* The hulls are exact when every id (or, without documents, the tile)
+  occupies consecutive positions, the usual case (contiguous runs of
+  documents, tiles inside a layout segment). Otherwise, for tiles of at most
+  :data:`REFINE_LIMIT` pairs, the visible pairs are materialised on the host
+  (they are needed for the bias anyway, and kept for it), so a tile with no
+  visible pair is never computed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import backend
 
-__all__ = ["BlockMask", "padding_bias"]
+__all__ = ["BlockMask", "padding_bias", "RULES", "REFINE_LIMIT"]
+
+#: The mask rules, in the order :attr:`BlockMask.rules` lists the active ones.
+RULES = ("causal", "window", "segments", "padding")
+
+#: Tiles of at most this many (query, key) pairs per batch entry are checked
+#: exactly (on the host) when the position hulls cannot decide them.
+REFINE_LIMIT = 1 << 20
 
 
 def padding_bias(pad: Any, dtype: Any) -> Any:
@@ -33,6 +61,33 @@ def padding_bias(pad: Any, dtype: Any) -> Any:
     bias = xp.zeros(pad.shape, dtype=dtype)
     bias[pad] = -np.inf
     return bias[:, None, None, :]
+
+
+class _Side(NamedTuple):
+    """Summary of the rows ``a:b`` of one side (queries or keys) of a tile."""
+
+    pmin: int
+    pmax: int
+    run: bool            # the positions are consecutive integers (the hull is exact)
+    ids: list | None     # per batch entry: (unique ids, hull min, hull max) of each id
+    ids_run: bool        # every id occupies consecutive positions
+
+
+def _summary(pos: np.ndarray, seg: np.ndarray | None) -> _Side:
+    pmin, pmax = int(pos.min()), int(pos.max())
+    run = pmax - pmin + 1 == pos.size
+    if seg is None:
+        return _Side(pmin, pmax, run, None, run)
+    ids, ids_run = [], True
+    for row in seg:
+        order = np.argsort(row, kind="stable")
+        sid, p = row[order], pos[order]
+        starts = np.flatnonzero(np.concatenate(([True], sid[1:] != sid[:-1])))
+        mn, mx = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
+        counts = np.diff(np.append(starts, sid.size))
+        ids_run = ids_run and bool(np.all(mx - mn + 1 == counts))
+        ids.append((sid[starts], mn, mx))
+    return _Side(pmin, pmax, run, ids, ids_run)
 
 
 @dataclass
@@ -49,43 +104,136 @@ class BlockMask:
         Hide key ``j`` from query ``i`` when ``j > i``.
     pad : (B, k) bool array or None
         Key padding of the block (True = hidden), on the keys' device.
+    window : (left, right) or None
+        Key ``j`` is visible to query ``i`` only if ``i - left <= j <= i + right``;
+        each bound an int >= 0 or None (unbounded on that side).
+    q_seg, k_seg : (B, n) and (B, k) integer numpy arrays, or None
+        Document ids of the queries and of the block's keys (host copies;
+        both or neither): query ``i`` sees key ``j`` only when the ids are
+        equal in the same batch entry.
     """
 
     q_pos: np.ndarray
     k_pos: np.ndarray
     causal: bool = False
     pad: Any = None
+    window: tuple | None = None
+    q_seg: np.ndarray | None = None
+    k_seg: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if (self.q_seg is None) != (self.k_seg is None):
+            raise ValueError("BlockMask needs document ids for both queries and keys, or neither")
+        if self.window is not None and tuple(self.window) == (None, None):
+            self.window = None
+        left, right = self.window if self.window is not None else (None, None)
+        self._lo = -math.inf if left is None else -int(left)
+        hi = math.inf if right is None else int(right)
+        self._hi = min(hi, 0) if self.causal else hi
         self._pad_bias: dict = {}
+        self._sides: dict = {}
+        self._pairs: tuple | None = None  # ((i0, i1, j0, j1), host bool) of the last tile
+
+    # ------------------------------------------------------------ what is active
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The active rules, a sub-tuple of :data:`RULES` (e.g. ``("causal", "padding")``)."""
+        on = {"causal": self.causal, "window": self.window is not None,
+              "segments": self.q_seg is not None, "padding": self.pad is not None}
+        return tuple(r for r in RULES if on[r])
 
     @property
     def positional(self) -> bool:
-        """True when some rule depends on positions (so tiles may be skipped)."""
-        return self.causal
+        """True when a rule other than padding is active (so tiles may be skipped)."""
+        return self.causal or self.window is not None or self.q_seg is not None
+
+    @property
+    def needs_dense(self) -> bool:
+        """True when a rule beyond causal and padding (window, documents) is active.
+
+        An engine that understands only ``is_causal`` and a key padding mask
+        must then take the dense :meth:`visible` mask for "some" tiles, or
+        decline the block.
+        """
+        return self.window is not None or self.q_seg is not None
+
+    # ---------------------------------------------------------- classification
+    def _side(self, name: str, a: int, b: int) -> _Side:
+        key = (name, a, b)
+        got = self._sides.get(key)
+        if got is None:
+            pos, seg = (self.q_pos, self.q_seg) if name == "q" else (self.k_pos, self.k_seg)
+            got = self._sides[key] = _summary(pos[a:b], None if seg is None else seg[:, a:b])
+        return got
+
+    def _meets(self, lo: Any, hi: Any) -> Any:
+        """Whether ``j - i`` ranging over ``[lo, hi]`` meets the band ``[self._lo, self._hi]``."""
+        return (hi >= self._lo) & (lo <= self._hi)
 
     def visibility(self, i0: int, i1: int, j0: int, j1: int) -> str:
         """``"none"``, ``"all"`` or ``"some"`` pairs visible in queries ``i0:i1`` x keys ``j0:j1``.
 
-        Padding is not counted here (it is applied to every tile as a bias).
+        "none" only when no batch entry has a visible pair (sound: such a
+        tile may be skipped); "all" only when every pair of every batch
+        entry is visible. Padding is not counted here (it is applied to every
+        tile as a bias). An empty range is "none".
         """
-        if not self.causal or i1 <= i0 or j1 <= j0:
-            return "all"
-        q, k = self.q_pos[i0:i1], self.k_pos[j0:j1]
-        if q.max() < k.min():
+        if i1 <= i0 or j1 <= j0:
             return "none"
-        if q.min() >= k.max():
+        if not self.positional:
             return "all"
+        qs, ks = self._side("q", i0, i1), self._side("k", j0, j1)
+        dmin, dmax = ks.pmin - qs.pmax, ks.pmax - qs.pmin  # the range of j - i
+        if not self._meets(dmin, dmax):
+            return "none"
+        band_all = dmin >= self._lo and dmax <= self._hi
+        exact = qs.run and ks.run
+        if qs.ids is not None:
+            seen, same = False, True
+            for (qu, qmn, qmx), (ku, kmn, kmx) in zip(qs.ids, ks.ids):
+                same = same and qu.size == 1 and ku.size == 1 and qu[0] == ku[0]
+                if not seen:
+                    _, iq, ik = np.intersect1d(qu, ku, assume_unique=True, return_indices=True)
+                    seen = bool(np.any(self._meets(kmn[ik] - qmx[iq], kmx[ik] - qmn[iq])))
+            if not seen:
+                return "none"
+            if band_all and same:
+                return "all"
+            exact = qs.ids_run and ks.ids_run
+        elif band_all:
+            return "all"
+        nb = 1 if self.q_seg is None else self.q_seg.shape[0]
+        if not exact and (i1 - i0) * (j1 - j0) * nb <= REFINE_LIMIT:
+            ok = self.visible_pairs(i0, i1, j0, j1)
+            if not ok.any():
+                return "none"
+            if ok.all():
+                return "all"
         return "some"
 
     def visible_pairs(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
-        """Host bool ``(i1-i0, j1-j0)``: the positional rules (True = visible), padding excluded."""
-        q, k = self.q_pos[i0:i1], self.k_pos[j0:j1]
-        ok = np.ones((q.size, k.size), dtype=bool)
-        if self.causal:
-            ok &= k[None, :] <= q[:, None]
+        """Host bool ``(Bs, i1-i0, j1-j0)`` of the positional and document rules (True = visible).
+
+        ``Bs`` is the batch size with document ids, else 1 (the same for
+        every batch entry); padding is excluded. The last tile asked for is
+        kept, so :meth:`bias` after :meth:`visibility` builds it once.
+        """
+        key = (i0, i1, j0, j1)
+        if self._pairs is not None and self._pairs[0] == key:
+            return self._pairs[1]
+        d = self.k_pos[None, j0:j1] - self.q_pos[i0:i1, None]  # j - i
+        ok = np.ones(d.shape, dtype=bool)
+        if self._lo > -math.inf:
+            ok &= d >= self._lo
+        if self._hi < math.inf:
+            ok &= d <= self._hi
+        ok = ok[None]
+        if self.q_seg is not None:
+            ok = ok & (self.q_seg[:, i0:i1, None] == self.k_seg[:, None, j0:j1])
+        self._pairs = (key, ok)
         return ok
 
+    # ------------------------------------------------------------------ masks
     def padding(self, xp: Any, j0: int, j1: int, dtype: Any) -> Any:
         """Additive padding bias ``(B, 1, 1, j1-j0)`` of keys ``j0:j1``, or None without padding."""
         if self.pad is None:
@@ -109,10 +257,10 @@ class BlockMask:
         if vis == "some":
             hidden = ~self.visible_pairs(i0, i1, j0, j1)
             if group > 1:
-                hidden = np.repeat(hidden, group, axis=0)
+                hidden = np.repeat(hidden, group, axis=1)
             pos = np.zeros(hidden.shape, dtype=dtype)
             pos[hidden] = -np.inf
-            pos = backend.to_device(pos, xp)
+            pos = backend.to_device(pos, xp)[:, None]
             out = pos if out is None else out + pos
         return out
 
@@ -123,6 +271,6 @@ class BlockMask:
         if self.pad is not None:
             out = ~self.pad[:, None, None, j0:j1]
         if vis == "some":
-            pos = backend.to_device(self.visible_pairs(i0, i1, j0, j1), xp)[None, None]
+            pos = backend.to_device(self.visible_pairs(i0, i1, j0, j1), xp)[:, None]
             out = pos if out is None else out & pos
         return out

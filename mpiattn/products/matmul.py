@@ -13,8 +13,9 @@ matmul_tn  (..., m_r, N)   (..., m_r, d)   (..., n_r, d)  Aᵀ·B  ring reduce-s
 ========== =============== =============== ==================== =================
 
 ``N = sum(n_r)`` and ``M = sum(m_r)`` are global lengths, each laid out by the
-layout. nt and nn stream B's rows round the ring with :func:`mpiattn.comm.circulate`
-(the next piece in flight while the current one is multiplied). tn sends no
+layout (a named layout fits any length; an explicit :class:`mpiattn.Layout` fixes
+one, so with it every sharded length must be its ``n``). nt and nn stream B's rows
+round the ring with :func:`mpiattn.comm.circulate` (the next piece in flight while the current one is multiplied). tn sends no
 operand: partial sums of the output rows travel round the ring and come home
 (O(block·d) words in flight per rank, never a full-size allreduce).
 
@@ -75,7 +76,7 @@ def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
         out[...] = xp.matmul(x, y)
 
 
-def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
+def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
     work = backend.accum_dtype(a.dtype)
     out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
     a_w = a.astype(work, copy=False)
@@ -86,7 +87,7 @@ def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -
     return out
 
 
-def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
+def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     with c.abort_on_error():
@@ -96,7 +97,7 @@ def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -
     return acc.astype(a.dtype, copy=False)
 
 
-def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: str) -> Any:
+def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     b_w = b.astype(work, copy=False)
@@ -121,7 +122,7 @@ def _sum_to_shape(xp: ModuleType, g: Any, shape: Shape) -> Any:
 
 
 # ------------------------------------------------------------------- forward
-def matmul_nt(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
               block_size: int | None = None) -> Any:
     """This rank's rows of ``A·Bᵀ`` for row-sharded A and B.
 
@@ -133,7 +134,7 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
         This rank's rows of B (M x d).
     comm : mpi4py.MPI.Intracomm, optional
         Default ``MPI.COMM_WORLD``.
-    layout : {"contiguous", "zigzag"}
+    layout : {"contiguous", "zigzag"} or Layout
         Layout of both N and M rows.
     block_size : int, optional
         Rows of B per exchanged piece (default: see the module notes).
@@ -164,7 +165,7 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
     return _ring_nt(c, xp, a, b, plan, layout)
 
 
-def matmul_nn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_nn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
               block_size: int | None = None) -> Any:
     """This rank's rows of ``A·B`` for row-sharded A (all M columns) and B.
 
@@ -197,7 +198,7 @@ def matmul_nn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
     return _ring_nn(c, xp, a, b, plan, layout)
 
 
-def matmul_tn(a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_tn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
               block_size: int | None = None) -> Any:
     """This rank's rows of ``Aᵀ·B`` for row-sharded A and B (a ring reduce-scatter).
 
@@ -243,7 +244,7 @@ def _check_dc(sdc: list[Shape], want: list[Shape], op: str, fwd: str) -> None:
                              f"the shape of {fwd}(a, b) there")
 
 
-def matmul_nt_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_nt_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
                        block_size: int | None = None) -> tuple[Any, Any]:
     """Gradients of ``C = A·Bᵀ`` (:func:`matmul_nt`): ``dA = dC·B``, ``dB = dCᵀ·A``.
 
@@ -284,7 +285,7 @@ def matmul_nt_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
     return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
 
 
-def matmul_nn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_nn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
                        block_size: int | None = None) -> tuple[Any, Any]:
     """Gradients of ``C = A·B`` (:func:`matmul_nn`): ``dA = dC·Bᵀ``, ``dB = Aᵀ·dC``.
 
@@ -325,7 +326,7 @@ def matmul_nn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = 
     return _sum_to_shape(xp, da, a.shape), _sum_to_shape(xp, db, b.shape)
 
 
-def matmul_tn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: str = "contiguous",
+def matmul_tn_backward(dc: Any, a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
                        block_size: int | None = None) -> tuple[Any, Any]:
     """Gradients of ``C = Aᵀ·B`` (:func:`matmul_tn`): ``dA = B·dCᵀ``, ``dB = A·dC``.
 

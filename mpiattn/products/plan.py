@@ -18,7 +18,7 @@ import numpy as np
 from .. import backend
 from ..comm.core import Comm
 from ..comm.device import prepare
-from ..layouts import check_layout, check_shares, local_lengths
+from ..layouts import check_layout, check_shares, layout_key, local_lengths
 
 __all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta",
            "plan_nt", "plan_nn", "plan_tn"]
@@ -102,7 +102,7 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
         if len(set(dtypes.values())) > 1:
             listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
             raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
-        return (layout, blk, str(arrays[0][1].dtype),
+        return (layout_key(layout), blk, str(arrays[0][1].dtype),
                 tuple(tuple(int(s) for s in x.shape) for _, x in arrays),
                 backend.array_module(*(x for _, x in arrays)).__name__)
 
@@ -119,7 +119,8 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
         if xp_name != xp0:
             raise TypeError(f"{op}: rank {r} passes {xp_name} arrays, rank 0 {xp0} arrays")
         if lay != layout0:
-            raise ValueError(f"{op}: layout differs between ranks: {lay!r} on rank {r}, {layout0!r} on rank 0")
+            raise ValueError(f"{op}: layout differs between ranks: {_shown(lay)} on rank {r}, "
+                             f"{_shown(layout0)} on rank 0")
         if blk != block0:
             raise ValueError(f"{op}: block_size differs between ranks: {blk!r} on rank {r}, {block0!r} on rank 0")
         if dt != dtype0:
@@ -131,6 +132,10 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
     return xp, dtype, shapes, layout, block_size
 
 
+def _shown(key: Any) -> str:
+    return f"an explicit Layout of {key[1]} rows, digest {key[3][:12]}" if isinstance(key, tuple) else repr(key)
+
+
 def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
     s0 = shapes[0]
     for r, s in enumerate(shapes):
@@ -140,7 +145,7 @@ def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
                 "(the sharded rows) may differ between ranks")
 
 
-def _row_counts(shapes: list[Shape], name: str, op: str, layout: str) -> list[int]:
+def _row_counts(shapes: list[Shape], name: str, op: str, layout: Any) -> list[int]:
     """Each rank's rows of an operand; they must be the layout's shares of their sum."""
     counts = [s[-2] for s in shapes]
     check_shares(counts, layout, f"{op}: {name}")
@@ -172,7 +177,7 @@ def _block(block_size: int | None, counts: list[int], row_bytes: int) -> int:
     return default_block_size(max(counts, default=0), row_bytes)
 
 
-def plan_nt(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+def plan_nt(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_nt", names: tuple[str, str] = ("a", "b")) -> Plan:
     d_a, d_b = sa[0][-1], sb[0][-1]
     if d_a != d_b:
@@ -185,7 +190,7 @@ def plan_nt(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size
     return Plan(lead, sum(m), n[rank], sum(m), _block(block_size, m, row_bytes))
 
 
-def plan_nn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+def plan_nn(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_nn", names: tuple[str, str] = ("a", "b")) -> Plan:
     n = _row_counts(sa, names[0], op, layout)
     m = _row_counts(sb, names[1], op, layout)
@@ -198,7 +203,7 @@ def plan_nn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size
     return Plan(lead, sum(m), n[rank], d, _block(block_size, m, row_bytes))
 
 
-def plan_tn(sa: list[Shape], sb: list[Shape], layout: str, rank: int, block_size: int | None,
+def plan_tn(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_tn", names: tuple[str, str] = ("a", "b")) -> Plan:
     for r, (x, y) in enumerate(zip(sa, sb)):
         if x[-2] != y[-2]:

@@ -17,49 +17,18 @@ Rules (global positions, top-left aligned like ``causal``)::
 
 from __future__ import annotations
 
-import operator
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .. import backend, kernels
+from ..balancing import check_window
 from ..comm.core import Comm
 from ..layouts import Layout, check_layout, describe, layout_key, local_lengths, to_global_order
 
 __all__ = ["check_window", "rules_of", "local_meta", "key_layout", "complete", "block_mask",
            "dense_visible"]
-
-
-def check_window(window: Any) -> tuple | None:
-    """``window`` as ``(left, right)`` (each an int >= 0 or None), or None for no window.
-
-    Raises
-    ------
-    TypeError
-        When it is not a pair of ints/None.
-    ValueError
-        When a bound is negative.
-    """
-    if window is None:
-        return None
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
-    out = []
-    for side, w in zip(("left", "right"), window):
-        if w is None:
-            out.append(None)
-            continue
-        if isinstance(w, (bool, np.bool_)):
-            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}")
-        try:
-            w = operator.index(w)
-        except TypeError:
-            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}") from None
-        if w < 0:
-            raise ValueError(f"window {side} bound must be >= 0, got {w}")
-        out.append(int(w))
-    return None if out == [None, None] else (out[0], out[1])
 
 
 def rules_of(causal: bool, window: Any, segment_ids: Any, key_padding_mask: Any) -> tuple[str, ...]:

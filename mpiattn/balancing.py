@@ -1,0 +1,333 @@
+"""Balanced explicit layouts: every rank gets an equal share of the visible pairs.
+
+A rank computes its own queries against every key, so its work is the number
+of visible (query, key) pairs of its query rows. Causal masks, sliding windows
+and packed documents make that number differ from row to row; a layout that
+gives every rank the same rows does not give it the same work (the zigzag
+layout fixes plain causal attention only). :func:`balance` returns a
+:class:`~mpiattn.layouts.Layout` that does, with a few contiguous ranges per
+rank and (nearly) the same number of rows on every rank.
+
+Pure arithmetic on host arrays (NumPy only, no communication): every rank
+computes the same layout from the same arguments.
+
+Also here: :func:`segment_ids_from_cu_seqlens` (FlashAttention-style
+cumulative lengths -> document ids), :func:`row_work` and :func:`rank_work`
+(the cost model, for reports and tests), and :func:`check_window`.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from .layouts import Layout, all_segments, check_layout, positions, split_sizes
+
+__all__ = ["balance", "row_work", "rank_work", "segment_ids_from_cu_seqlens", "check_window",
+           "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
+
+#: A candidate layout whose largest rank work is within this factor of the mean is taken.
+TARGET = 1.02
+
+#: Chunks are cut no shorter than this many rows (unless two per rank need shorter).
+MIN_CHUNK = 128
+
+#: The most chunks per rank :func:`balance` tries.
+MAX_CHUNKS_PER_RANK = 16
+
+#: One range per rank is preferred to more chunks when no rank gets more than
+#: this factor of the mean rows.
+ROW_SLACK = 1.25
+
+
+def check_window(window: Any) -> tuple | None:
+    """``window`` as ``(left, right)`` (each an int >= 0 or None), or None for no window.
+
+    ``(None, None)`` is no window. Raises TypeError for anything but a pair
+    of ints/None, ValueError for a negative bound.
+    """
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, (bool, np.bool_)):
+            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}")
+        try:
+            w = operator.index(w)
+        except TypeError:
+            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}") from None
+        if w < 0:
+            raise ValueError(f"window {side} bound must be >= 0, got {w}")
+        out.append(int(w))
+    return None if out == [None, None] else (out[0], out[1])
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: Any, n: int | None = None) -> np.ndarray:
+    """Document ids from FlashAttention-style cumulative sequence lengths.
+
+    Parameters
+    ----------
+    cu_seqlens : 1-D integer array_like, shape (D + 1,)
+        ``[0, l_0, l_0 + l_1, ..., total]``: document ``d`` holds rows
+        ``cu_seqlens[d]:cu_seqlens[d + 1]``.
+    n : int, optional
+        Length of the result (default ``total``). Rows ``total:n`` (padding
+        after the last document) form one more document, id ``D``.
+
+    Returns
+    -------
+    numpy.ndarray, shape (n,), int64
+        ``ids[i] = d`` for the document holding row ``i``; for ``(B, N)``
+        ids stack one row per batch entry.
+    """
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or (cu.size and cu.dtype.kind not in "iu"):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., total], got {cu!r}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise ValueError("cu_seqlens must start at 0 and never decrease")
+    total = int(cu[-1])
+    n = total if n is None else operator.index(n)
+    if n < total:
+        raise ValueError(f"n = {n} is shorter than the documents (cu_seqlens ends at {total})")
+    ids = np.repeat(np.arange(cu.size - 1, dtype=np.int64), np.diff(cu))
+    return np.concatenate([ids, np.full(n - total, cu.size - 1, dtype=np.int64)])
+
+
+def _segments_2d(segment_ids: Any, n: int) -> np.ndarray | None:
+    if segment_ids is None:
+        return None
+    seg = np.asarray(segment_ids)
+    if seg.dtype.kind not in "iu":
+        raise TypeError(f"segment_ids must hold integers (document ids), got dtype {seg.dtype}")
+    if seg.ndim == 1:
+        seg = seg[None]
+    if seg.ndim != 2 or seg.shape[1] != n:
+        raise ValueError(f"segment_ids must have shape (N,) or (B, N) with N = {n}, got {seg.shape}")
+    return seg.astype(np.int64, copy=False)
+
+
+def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: Any = None) -> np.ndarray:
+    """Visible keys of every query row of self-attention over ``n`` rows, summed over the batch.
+
+    Parameters
+    ----------
+    n : int
+    causal, window, segment_ids
+        As in :func:`balance`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (n,), int64
+        ``w[i]``: the number of (batch entry, key) pairs query ``i`` sees.
+
+    Notes
+    -----
+    ``O(B n log n)`` time (a sort and two binary searches per batch entry),
+    ``O(B n)`` memory.
+    """
+    n = operator.index(n)
+    w = check_window(window)
+    left, right = w if w is not None else (None, None)
+    lo = -n if left is None else -left
+    hi = n if right is None else right
+    if causal:
+        hi = min(hi, 0)
+    i = np.arange(n, dtype=np.int64)
+    jlo, jhi = np.maximum(i + lo, 0), np.minimum(i + hi, n - 1)
+    seg = _segments_2d(segment_ids, n)
+    if seg is None:
+        return np.maximum(jhi - jlo + 1, 0)
+    out = np.zeros(n, dtype=np.int64)
+    for row in seg:
+        order = np.argsort(row, kind="stable")  # by id, positions increasing within an id
+        sid = row[order]
+        gid = np.cumsum(np.concatenate(([0], sid[1:] != sid[:-1])))  # group number, sorted order
+        code = gid * (n + 1) + order  # increasing
+        g = np.empty(n, dtype=np.int64)
+        g[order] = gid
+        a = np.searchsorted(code, g * (n + 1) + jlo, side="left")
+        b = np.searchsorted(code, g * (n + 1) + jhi, side="right")
+        out += np.maximum(b - a, 0)
+    return out
+
+
+def rank_work(layout: Any, n: int, size: int, *, causal: bool = False, window: Any = None,
+              segment_ids: Any = None) -> np.ndarray:
+    """Visible pairs of every rank's query rows under ``layout`` (the quantity :func:`balance` balances).
+
+    Returns
+    -------
+    numpy.ndarray, shape (size,), int64
+    """
+    check_layout(layout)
+    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids)
+    return np.array([int(w[positions(s)].sum()) for s in all_segments(n, size, layout)], dtype=np.int64)
+
+
+def _assign(work: np.ndarray, size: int, per: int) -> list[list[int]]:
+    """``size * per`` chunks -> ranks, ``per`` chunks each, keeping the largest load small.
+
+    Longest-processing-time first (each chunk, heaviest first, to the least
+    loaded rank that still has room; ties to the lowest rank), then swaps of
+    a chunk of the heaviest rank with a lighter chunk elsewhere while that
+    lowers the largest load. Deterministic.
+    """
+    work = work.astype(np.int64)
+    owner: list[list[int]] = [[] for _ in range(size)]
+    load = np.zeros(size, dtype=np.int64)
+    for c in sorted(range(work.size), key=lambda c: (-int(work[c]), c)):
+        r = min((r for r in range(size) if len(owner[r]) < per), key=lambda r: (int(load[r]), r))
+        owner[r].append(c)
+        load[r] += work[c]
+    for _ in range(4 * work.size):
+        h = int(np.argmax(load))
+        best = None
+        wa = work[owner[h]]
+        for o in range(size):
+            if o == h or not owner[o]:
+                continue
+            d = wa[:, None] - work[owner[o]][None, :]  # load moved from h to o by a swap
+            top = np.maximum(load[h] - d, load[o] + d)
+            top[d <= 0] = load[h]
+            a, b = np.unravel_index(int(np.argmin(top)), top.shape)
+            if top[a, b] < load[h] and (best is None or top[a, b] < best[0]):
+                best = (int(top[a, b]), o, int(a), int(b), int(d[a, b]))
+        if best is None:
+            break
+        _, o, a, b, d = best
+        owner[h][a], owner[o][b] = owner[o][b], owner[h][a]
+        load[h] -= d
+        load[o] += d
+    return [sorted(cs) for cs in owner]
+
+
+def _chunked(prefix: np.ndarray, n: int, size: int, per: int) -> tuple[list, int]:
+    """Equal-row chunks, ``per`` per rank, assigned by work: (ranges per rank, largest load)."""
+    sizes = split_sizes(n, size * per)
+    starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    work = prefix[starts[1:]] - prefix[starts[:-1]]
+    owner = _assign(work, size, per)
+    ranges = [[(int(starts[c]), int(starts[c + 1])) for c in cs] for cs in owner]
+    return ranges, max(int(sum(work[c] for c in cs)) for cs in owner)
+
+
+def _linear(prefix: np.ndarray, n: int, size: int) -> tuple[list, int]:
+    """One contiguous range per rank with the smallest largest load (binary search on the load)."""
+    total = int(prefix[-1])
+
+    def cuts(limit: int) -> list[int] | None:
+        out, start = [0], 0
+        for _ in range(size - 1):
+            stop = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
+            stop = max(stop, start)
+            out.append(stop)
+            start = stop
+        out.append(n)
+        return out if int(prefix[n] - prefix[out[-2]]) <= limit else None
+
+    lo, hi = max(0, -(-total // size)), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cuts(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    c = cuts(lo) or [0] * size + [n]
+    ranges = [[(c[r], c[r + 1])] for r in range(size)]
+    return ranges, max(int(prefix[c[r + 1]] - prefix[c[r]]) for r in range(size))
+
+
+def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
+            segment_ids: Any = None) -> Layout:
+    """A layout of ``n`` rows over ``size`` ranks with an equal share of visible pairs on every rank.
+
+    Parameters
+    ----------
+    n : int
+        Rows (self-attention: queries and keys share the layout), ``n >= 0``.
+    size : int
+        Ranks, ``size >= 1``.
+    causal : bool
+        Key ``j`` visible to query ``i`` only if ``j <= i``.
+    window : (left, right), optional
+        Only keys ``i - left <= j <= i + right`` (None: unbounded side).
+    segment_ids : integer array_like, shape (N,) or (B, N), optional
+        Document ids; with ``(B, N)`` the work of every batch entry counts.
+
+    Returns
+    -------
+    Layout
+        Each rank owns ``n / size`` rows (within one chunk) in a few
+        contiguous ranges, increasing in its local order; or, when no such
+        assignment comes within :data:`TARGET` of the mean, one range per
+        rank cut where the work is equal (uneven rows).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For ``size < 1``, ``n < 0``, a bad window or bad segment ids.
+
+    Notes
+    -----
+    Method: the work ``w[i]`` of every row (:func:`row_work`) and its prefix
+    sums; then for ``c = 1, 2, 4, ...`` chunks per rank (chunks of at least
+    :data:`MIN_CHUNK` rows, ``c <= MAX_CHUNKS_PER_RANK``) the rows are cut into
+    ``c * size`` chunks of equal length and the chunks assigned by work
+    (:func:`_assign`: heaviest first to the least loaded rank with room, then
+    improving swaps); the first ``c`` whose largest load is within
+    :data:`TARGET` of the mean wins. Before ``c = 4`` the one-range-per-rank
+    cut with the smallest largest load (binary search on the prefix sums)
+    is taken if it meets :data:`TARGET` with no rank above :data:`ROW_SLACK`
+    times the mean rows. Failing all, the candidate with the smallest largest
+    load. With ``c = 2`` and plain causal attention this is the zigzag
+    layout. Adjacent chunks of a rank merge into one range.
+
+    Cost: ``O(B n log n)`` for the work, ``O(C^2 log C + P c^2 C)`` for the
+    assignments (``C = c P`` chunks), ``O(B n)`` memory; deterministic and
+    local, so every rank computes the same layout without communicating.
+    """
+    if isinstance(size, (bool, np.bool_)):
+        raise TypeError(f"size must be an integer >= 1, got {size!r}")
+    size, n = operator.index(size), operator.index(n)
+    if size < 1:
+        raise ValueError(f"balance needs size >= 1 ranks, got {size}")
+    if n < 0:
+        raise ValueError(f"balance needs n >= 0 rows, got {n}")
+    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids)
+    prefix = np.concatenate(([0], np.cumsum(w))).astype(np.int64)
+    goal = TARGET * int(prefix[-1]) / size
+    tried = []
+    per = 1
+    while per <= MAX_CHUNKS_PER_RANK and (per <= 2 or n // (per * size) >= MIN_CHUNK):
+        tried.append(_chunked(prefix, n, size, per))
+        if tried[-1][1] <= goal:
+            return Layout(_merge(tried[-1][0]))
+        if per == 2:  # before more ranges: one range per rank, if its rows stay near even
+            ranges, top = _linear(prefix, n, size)
+            tried.append((ranges, top))
+            if top <= goal and max(r[0][1] - r[0][0] for r in ranges) <= ROW_SLACK * n / size:
+                return Layout(ranges)
+        per *= 2
+    return Layout(_merge(min(tried, key=lambda t: t[1])[0]))
+
+
+def _merge(ranges: list) -> list:
+    """Adjacent ranges of a rank (``stop == next start``) as one."""
+    out = []
+    for rs in ranges:
+        merged: list = []
+        for a, b in rs:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        out.append(merged)
+    return out
