@@ -7,8 +7,10 @@ folding of heads, no MPI) so it can check the distributed code independently:
 
 Conventions (those of :func:`mpiattn.attention`): query head ``h`` uses
 key/value head ``h // (H // Hkv)``; ``causal`` lets query ``i`` see key ``j``
-iff ``j <= i``; ``key_padding_mask[b, j]`` True hides key ``j``; a query that
-sees no key gets ``out = 0``, ``lse = -inf`` and zero gradients.
+iff ``j <= i``; ``window = (left, right)`` hides keys outside
+``i - left <= j <= i + right`` (None: unbounded side); document ids hide keys
+of another document; ``key_padding_mask[b, j]`` True hides key ``j``; a query
+that sees no key gets ``out = 0``, ``lse = -inf`` and zero gradients.
 
 Math, per batch ``b`` and query head ``h`` (``s`` the scale)::
 
@@ -59,7 +61,8 @@ def exact_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int
 
 def exact_attention(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = False,
               scale: float | None = None, key_padding_mask: Any = None,
-              block_rows: int = 256) -> Exact:
+              block_rows: int = 256, window: tuple | None = None, segment_ids: Any = None,
+              kv_segment_ids: Any = None) -> Exact:
     """Exact attention (and, with ``dout``, its gradients) in float64 on one process.
 
     Parameters
@@ -76,6 +79,10 @@ def exact_attention(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = 
         Softmax scale ``s``; default ``1/sqrt(E)``.
     key_padding_mask : array_like of bool, shape (B, M), optional
         True marks a key to ignore.
+    window : (left, right), optional
+        Query ``i`` sees only keys ``i - left <= j <= i + right``.
+    segment_ids, kv_segment_ids : integer array_like, shapes (B, N), (B, M), optional
+        Document ids of queries and keys (keys default to the query ids).
     block_rows : int
         Query rows per materialised score block (bounds memory).
 
@@ -109,8 +116,16 @@ def exact_attention(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = 
     for i0 in range(0, N, max(1, block_rows)):
         i1 = min(N, i0 + max(1, block_rows))
         hide = np.broadcast_to(hidden[:, None, :], (B, i1 - i0, M))
+        rows = np.arange(i0, i1)[None, :, None]
         if causal:
-            hide = hide | (key_pos[None, None, :] > np.arange(i0, i1)[None, :, None])
+            hide = hide | (key_pos[None, None, :] > rows)
+        if window is not None and window[0] is not None:
+            hide = hide | (key_pos[None, None, :] < rows - window[0])
+        if window is not None and window[1] is not None:
+            hide = hide | (key_pos[None, None, :] > rows + window[1])
+        if segment_ids is not None:
+            kseg = segment_ids if kv_segment_ids is None else kv_segment_ids
+            hide = hide | (np.asarray(segment_ids)[:, i0:i1, None] != np.asarray(kseg)[:, None, :])
         for b in range(B):
             for h in range(H):
                 kv = h // group

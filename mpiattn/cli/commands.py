@@ -75,7 +75,8 @@ def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
 
 
 def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | None,
-               force: bool) -> tuple[Any, dict]:
+               force: bool,
+               window: tuple | None = None) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
     timer = Timer(c)
     with agreed():
@@ -87,6 +88,8 @@ def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | 
             rows[name] = io.Rows(datagen.local_rows(spec, name, segs), shape[axis], axis)
     attrs = {"causal": bool(causal), "scale": scale, "generator": "mpiattn make-data",
              "mpiattn_version": __version__, "seed": spec.seed, "padding": spec.padding,
+             "docs": spec.docs or None,
+             "window": None if window is None else [-1 if w is None else w for w in window],
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with agreed(), timer.phase("write"):
         io.write_rows(output, rows, c, attrs=attrs, force=force)
@@ -100,9 +103,14 @@ def cmd_make_data(args: Any, con: Console) -> int:
         raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
     spec_kw = dict(batch=args.batch, heads=args.heads, kv_heads=kv_heads, seq=args.seq,
                    kv_seq=args.kv_seq or args.seq, dim=args.dim, value_dim=args.value_dim or args.dim,
-                   dtype=args.dtype, with_dout=args.with_dout, padding=args.padding, seed=args.seed)
+                   dtype=args.dtype, with_dout=args.with_dout, padding=args.padding, seed=args.seed,
+                   docs=args.docs)
+    if args.docs and spec_kw["kv_seq"] != args.seq:
+        raise UsageError(f"--docs needs --kv-seq equal to --seq (the keys take the query "
+                         f"documents), got --seq {args.seq} --kv-seq {spec_kw['kv_seq']}")
     c = world_comm()
-    spec, times = _make_data(c, args.output, spec_kw, args.causal, args.scale, args.force)
+    spec, times = _make_data(c, args.output, spec_kw, args.causal, args.scale, args.force,
+                             window=args.window)
     names = ", ".join(f"{n} {s}" for n, (s, _) in spec.datasets().items())
     con.say(f"wrote {os.path.abspath(args.output)} on {c.size} rank(s): {names} ({spec.dtype}, "
             f"seed {spec.seed}); " + ", ".join(f"{k} {v:.3g} s" for k, v in times.items()))

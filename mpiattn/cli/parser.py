@@ -57,13 +57,36 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _window(text: str) -> tuple:
+    """``L,R`` -> (left, right): ints >= 0, ``none`` (or empty) for no bound on that side."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (e.g. 1024,0 or none,16), got {text!r}")
+    out = []
+    for side, part in zip(("left", "right"), parts):
+        part = part.strip().lower()
+        if part in ("", "none"):
+            out.append(None)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"window {side}: expected an integer or none, got {part!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"window {side} must be >= 0, got {value}")
+        out.append(value)
+    return tuple(out)
+
+
 # ----------------------------------------------------------------- the parser
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--strategy", choices=STRATEGIES, default="auto",
                    help="distributed algorithm (default auto: chosen by a cost model)")
-    p.add_argument("--layout", choices=("auto", "contiguous", "zigzag"), default="auto",
-                   help="rows per rank; auto = zigzag when causal (load balance), else contiguous")
+    p.add_argument("--layout", choices=("auto", "contiguous", "zigzag", "balanced"), default="auto",
+                   help="rows per rank; auto = zigzag when causal (load balance), else contiguous; "
+                        "balanced = an equal share of visible pairs per rank, from the causal flag, "
+                        "window and segment_ids (mpiattn.balance)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="local kernels: native (mpiattn's own), torch (torch's fused kernels), "
                         "auto (torch where installed and supported, else native; the default)")
@@ -105,6 +128,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     causal.add_argument("--causal", dest="causal", action="store_true", default=None,
                         help="causal attention (default: the input's 'causal' attribute, else off)")
     causal.add_argument("--no-causal", dest="causal", action="store_false")
+    run.add_argument("--window", type=_window, default=None, metavar="L,R",
+                     help="sliding window: query i sees keys i-L..i+R (none = unbounded side; "
+                          "default: the input's 'window' attribute, else no window)")
     run.add_argument("--scale", type=_finite_float, default=None,
                      help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E))")
     run.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
@@ -135,6 +161,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     mk.add_argument("--with-dout", action="store_true", help="add dout (requests the backward)")
     mk.add_argument("--padding", type=_fraction, default=0.0, metavar="FRAC",
                     help="add a key_padding_mask with this fraction of padding keys")
+    mk.add_argument("--docs", type=_nonneg_int, default=0, metavar="MEAN_LEN",
+                    help="add segment_ids: packed documents of this mean length (needs --kv-seq = --seq)")
+    mk.add_argument("--window", type=_window, default=None, metavar="L,R",
+                    help="set the file's window attribute")
     mk.add_argument("--causal", action="store_true", help="set the file's causal attribute")
     mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
     mk.add_argument("--seed", type=_nonneg_int, default=0)

@@ -19,6 +19,7 @@ from .. import __version__
 from .. import gpu, io
 from ..strategies import DEFAULT_BLOCK, attention, attention_backward, choose_strategy
 from ..backend import to_host
+from ..balancing import balance
 from ..comm.core import get_comm
 from ..sharding import gather
 from .check import exact_attention, exact_nbytes
@@ -81,6 +82,13 @@ class Settings:
     device_note: str = ""
     engine: str = "auto"
     used: dict = field(default_factory=dict)  # what attention() reports it used
+    window: tuple | None = None
+    kv_layout: Any = None  # the keys' layout (default: layout)
+
+    @property
+    def layout_name(self) -> str:
+        """The layout as named on the command line (an explicit Layout is "balanced")."""
+        return self.layout if isinstance(self.layout, str) else "balanced"
 
     def strategy_used(self, inp: Any, P: int) -> str:
         """What ``auto`` resolves to (the attention module's cost model), else the strategy."""
@@ -119,7 +127,8 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(causal=st.causal, scale=st.scale, key_padding_mask=mask, layout=st.layout,
-              strategy=st.strategy, block_size=st.block_size, engine=st.engine,
+              strategy=st.strategy, block_size=st.block_size, engine=st.engine, window=st.window,
+              segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids, kv_layout=st.kv_layout,
               check_finite=False)  # read_input checked them (unless --allow-nonfinite)
     with agreed():
         with timer.phase("forward"):
@@ -143,7 +152,8 @@ def _write_results(c: Any, path: str, results: dict[str, np.ndarray], inp: Any, 
         ndim = inp.stored_ndim[source] - fewer
         y = x.reshape(x.shape[x.ndim - ndim:])  # drop the promoted leading axes of length 1
         length = inp.m if name in ("dk", "dv") else inp.n
-        rows[name] = io.Rows(y, length, ndim - (1 if name == "lse" else 2))
+        rows[name] = io.Rows(y, length, ndim - (1 if name == "lse" else 2),
+                             inp.kv_layout if name in ("dk", "dv") else None)
     with agreed():
         io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force)
 
@@ -161,18 +171,23 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
     if need > limit_gib * 2**30:
         return (f"skipped: the float64 check would need {need / 2**30:.1f} GiB on rank 0 "
                 f"(limit {limit_gib:g} GiB, --check-limit-gib)")
+    by_keys = ("k", "v", "key_padding_mask", "kv_segment_ids", "dk", "dv")
     with agreed():
-        g = {name: gather(x, c, axis=-1 if name in ("lse", "key_padding_mask") else -2,
-                          layout=st.layout)
+        g = {name: gather(x, c, axis=-1 if x.ndim == 2 or name == "lse" else -2,
+                          layout=st.kv_layout if name in by_keys and st.kv_layout is not None else st.layout)
              for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
-                             ("key_padding_mask", inp.key_padding_mask), *results.items()]
+                             ("key_padding_mask", inp.key_padding_mask),
+                             ("segment_ids", inp.segment_ids), ("kv_segment_ids", inp.kv_segment_ids),
+                             *results.items()]
              if x is not None}
     dtype = str(inp.q.dtype)
     tol = CHECK_TOL[dtype]
     errors = None
     if c.rank == 0:
         ref = exact_attention(g["q"], g["k"], g["v"], g.get("dout") if "dq" in results else None,
-                        causal=st.causal, scale=st.scale, key_padding_mask=g.get("key_padding_mask"))
+                        causal=st.causal, scale=st.scale, key_padding_mask=g.get("key_padding_mask"),
+                        window=st.window, segment_ids=g.get("segment_ids"),
+                        kv_segment_ids=g.get("kv_segment_ids"))
         errors = {name: _rel_error(g[name], getattr(ref, name)) for name in results}
     errors = c.bcast_obj(errors)
     text = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
@@ -198,7 +213,8 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
             st: Settings, backward: bool) -> None:
     """The report's first lines: what runs, on what, how."""
     shape = lambda x, n: (x.shape[0], x.shape[1], n, x.shape[3])  # noqa: E731 - global shape
-    extras = [n for n in ("dout", "key_padding_mask") if getattr(inp, n) is not None]
+    extras = [n for n in ("dout", "key_padding_mask", "segment_ids", "kv_segment_ids")
+              if getattr(inp, n) is not None]
     scale = st.scale if st.scale is not None else f"1/sqrt({inp.q.shape[3]})"
     strategy = st.strategy if st.strategy != "auto" else f"auto -> {st.strategy_used(inp, c.size)}"
     con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
@@ -206,8 +222,13 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
     con.say(f"  input    {path}")
     con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
             + (f" + {', '.join(extras)}" if extras else ""))
-    con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout}, strategy {strategy}, "
-            f"scale {scale}{st.device_note}")
+    window = "" if st.window is None else f", window {_window_text(st.window)}"
+    con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout_name}, strategy {strategy}, "
+            f"scale {scale}{window}{st.device_note}")
+
+
+def _window_text(window: tuple) -> str:
+    return ",".join("none" if w is None else str(w) for w in window)
 
 
 def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer) -> dict:
@@ -215,7 +236,8 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
             "strategy": st.strategy, "strategy_used": st.strategy_used(inp, c.size),
-            "layout": st.layout, "dtype": str(inp.q.dtype), "device": st.xp.__name__,
+            "layout": st.layout_name, "dtype": str(inp.q.dtype), "device": st.xp.__name__,
+            "window": None if st.window is None else [-1 if w is None else w for w in st.window],
             "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
             "causal": st.causal,
             "scale": st.scale if st.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
@@ -225,6 +247,24 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "input_size": inp.info["size"], "input_mtime": inp.info["mtime"], "created": now,
             "command": " ".join(["mpiattn", *sys.argv[1:]]),
             **{f"time_{k}_s": v for k, v in timer.times.items()}}
+
+
+def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -> tuple[Any, Any]:
+    """The layouts of the query and the key rows: ``--layout``, ``auto`` resolved, ``balanced`` computed.
+
+    ``balanced``: :func:`mpiattn.balance` of the file's queries from the
+    causal flag, the window and ``segment_ids`` (read whole by rank 0 and
+    broadcast, so every rank computes the same layout); the keys share it
+    when ``M == N``, else they are contiguous.
+    """
+    if args.layout != "balanced":
+        lay = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
+        return lay, lay
+    with agreed():
+        shapes, ids = io.reading.read_whole(path, "segment_ids", c)
+        N, M = shapes["q"][2], shapes["k"][2]
+        lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids)
+    return lay, (lay if M == N else "contiguous")
 
 
 def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bool,
@@ -239,18 +279,22 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
         io.check_output(output, c, force=force)  # before any computing
         attrs = io.read_attributes(path, c) or {}
     causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal"))
-    layout = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
+    window = getattr(args, "window", None)
+    with agreed():  # attrs came from rank 0: every rank decides alike
+        if window is None:
+            window = io.reading.window_from_attribute(attrs.get("window"))
+    layout, kv_layout = _layouts(c, args, path, causal, window)
     allow_nonfinite = getattr(args, "allow_nonfinite", False)
     with agreed(), timer.phase("read"):
         try:
             inp = io.read_input(path, c, layout=layout, dtype=getattr(args, "dtype", None),
-                                check_finite=not allow_nonfinite)
+                                check_finite=not allow_nonfinite, kv_layout=kv_layout)
         except io.NonFiniteError as exc:
             raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
     xp, note = select_device(c, args.device, args.gpu_transport)
     scale = inp.scale if getattr(args, "scale", None) is None else args.scale
     st = Settings(causal, scale, layout, args.strategy, args.block_size, xp, note,
-                  getattr(args, "engine", "auto"))
+                  getattr(args, "engine", "auto"), window=window, kv_layout=kv_layout)
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
     hosts = host_names(c)
     _header(con, title, c, hosts, path, inp, st, backward)

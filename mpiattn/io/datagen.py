@@ -9,7 +9,11 @@ the chunks that overlap them and keeps the rows it needs.
 
 Values: ``q``, ``k``, ``v``, ``dout`` are standard normal (drawn in float64,
 then cast); ``key_padding_mask[b, j]`` is True (padding) with probability
-``padding``.
+``padding``. Packed documents (``docs`` = mean length ``L``): row ``i`` of
+batch entry ``b`` starts a new document with probability ``1/L`` (row 0
+always), so lengths are geometric with mean ``L``; ``segment_ids[b, i]`` is
+the position of the first row of its document. A rank finds the start before
+its rows by drawing earlier chunks' starts only (about ``L`` rows back).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ __all__ = ["CHUNK_ROWS", "DATASET_IDS", "Spec", "rows", "local_rows"]
 CHUNK_ROWS = 256
 
 #: Stable numeric id of each generated dataset (part of the seed).
-DATASET_IDS = {"q": 1, "k": 2, "v": 3, "dout": 4, "key_padding_mask": 5}
+DATASET_IDS = {"q": 1, "k": 2, "v": 3, "dout": 4, "key_padding_mask": 5, "segment_ids": 6}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class Spec:
     padding : float
         Probability that a key is padding; 0 means no mask dataset.
     seed : int
+    docs : int
+        Mean document length of packed documents (dataset ``segment_ids``
+        (B, N); needs ``seq == kv_seq``); 0 means none.
     """
 
     batch: int = 1
@@ -60,6 +67,7 @@ class Spec:
     with_dout: bool = False
     padding: float = 0.0
     seed: int = 0
+    docs: int = 0
 
     def datasets(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """``name -> (global shape, sequence axis)`` for every dataset to generate."""
@@ -71,6 +79,8 @@ class Spec:
             out["dout"] = ((B, H, self.seq, self.value_dim), 2)
         if self.padding > 0:
             out["key_padding_mask"] = ((B, self.kv_seq), 1)
+        if self.docs > 0:
+            out["segment_ids"] = ((B, self.seq), 1)
         return out
 
 
@@ -80,6 +90,11 @@ def _chunk(spec: Spec, name: str, shape: tuple[int, ...], axis: int, c: int) -> 
     lo, hi = c * CHUNK_ROWS, min(n, (c + 1) * CHUNK_ROWS)
     cshape = shape[:axis] + (hi - lo,) + shape[axis + 1:]
     rng = np.random.default_rng([int(spec.seed), DATASET_IDS[name], c])
+    if name == "segment_ids":  # True where a document starts
+        starts = rng.random(cshape) < 1.0 / spec.docs
+        if c == 0 and starts.size:
+            starts[:, 0] = True
+        return starts
     if name == "key_padding_mask":
         return rng.random(cshape) < spec.padding
     return rng.standard_normal(cshape).astype(spec.dtype)
@@ -96,6 +111,8 @@ def rows(spec: Spec, name: str, start: int, stop: int) -> np.ndarray:
     shape, axis = spec.datasets()[name]
     if not 0 <= start <= stop <= shape[axis]:
         raise ValueError(f"rows [{start}, {stop}) out of range for {name} of length {shape[axis]}")
+    if name == "segment_ids":
+        return _document_ids(spec, shape, start, stop)
     parts = []
     for c in range(start // CHUNK_ROWS, -(-stop // CHUNK_ROWS)):
         lo = c * CHUNK_ROWS
@@ -107,6 +124,28 @@ def rows(spec: Spec, name: str, start: int, stop: int) -> np.ndarray:
         dtype = bool if name == "key_padding_mask" else spec.dtype
         return np.empty(shape[:axis] + (0,) + shape[axis + 1:], dtype=dtype)
     return np.concatenate(parts, axis=axis)
+
+
+def _document_ids(spec: Spec, shape: tuple[int, ...], start: int, stop: int) -> np.ndarray:
+    """``segment_ids`` rows ``[start, stop)``: the position of each row's document start."""
+    B = shape[0]
+    first = start // CHUNK_ROWS
+    lo = first * CHUNK_ROWS
+    c_stop = -(-stop // CHUNK_ROWS)
+    if c_stop <= first:
+        return np.zeros((B, 0), dtype=np.int64)
+    starts = np.concatenate([_chunk(spec, "segment_ids", shape, 1, c) for c in range(first, c_stop)], axis=1)
+    pos = np.arange(lo, lo + starts.shape[1], dtype=np.int64)
+    ids = np.maximum.accumulate(np.where(starts, pos[None, :], -1), axis=1)
+    before = np.full(B, -1, dtype=np.int64)  # the last start before chunk `first`, per batch entry
+    c = first - 1
+    while (before < 0).any() and c >= 0:
+        s = _chunk(spec, "segment_ids", shape, 1, c)
+        last = np.where(s.any(axis=1), c * CHUNK_ROWS + s.shape[1] - 1 - np.argmax(s[:, ::-1], axis=1), -1)
+        before = np.where(before < 0, last, before)
+        c -= 1
+    ids = np.maximum(ids, before[:, None])
+    return ids[:, start - lo:stop - lo]
 
 
 def local_rows(spec: Spec, name: str, segs: Sequence[tuple[int, int]]) -> np.ndarray:

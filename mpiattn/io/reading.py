@@ -22,11 +22,19 @@ from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout
 from .atomic import on_rank0
 
-__all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "parallel_hdf5", "file_info",
+__all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute",
+           "read_whole", "parallel_hdf5", "file_info",
            "read_attributes", "read_input"]
 
 #: Input datasets and the axis (from the end) of their sequence dimension.
-SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1}
+SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1, "segment_ids": 1,
+                     "kv_segment_ids": 1}
+
+#: Datasets along the keys (M rows, read by the keys' layout); the others run along the queries.
+KEY_DATASETS = ("k", "v", "key_padding_mask", "kv_segment_ids")
+
+#: Datasets stored (B, L) or (L,): the padding mask and the document ids.
+_ROWS_2D = ("key_padding_mask", "segment_ids", "kv_segment_ids")
 
 
 class NonFiniteError(ValueError):
@@ -46,6 +54,8 @@ class Inputs:
     v : ndarray, shape (B, Hkv, m_r, Ev)
     dout : ndarray, shape (B, H, n_r, Ev), or None
     key_padding_mask : bool ndarray, shape (B, m_r), or None
+    segment_ids, kv_segment_ids : int64 ndarray, shapes (B, n_r), (B, m_r), or None
+        Document ids of the queries and of the keys.
     n, m : int
         Global query and key/value lengths ``N`` and ``M``.
     stored_ndim : dict
@@ -69,8 +79,12 @@ class Inputs:
     stored_ndim: dict = field(default_factory=dict)
     causal: bool | None = None
     scale: float | None = None
-    layout: str = "contiguous"
+    layout: Any = "contiguous"
     info: dict = field(default_factory=dict)
+    segment_ids: np.ndarray | None = None
+    kv_segment_ids: np.ndarray | None = None
+    window: tuple | None = None  # the file's 'window' attribute, (left, right), None = unbounded side
+    kv_layout: Any = None
 
 
 def parallel_hdf5() -> bool:
@@ -134,16 +148,20 @@ def read_attributes(path: str, comm: Any = None) -> dict | None:
 
 # --------------------------------------------------------------------- reading
 def _promoted(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Stored shape -> 4-D (2-D for the mask) by leading axes of length 1."""
-    want = 2 if name == "key_padding_mask" else 4
-    lo = 1 if name == "key_padding_mask" else 2
+    """Stored shape -> 4-D (2-D for the mask and the ids) by leading axes of length 1."""
+    want = 2 if name in _ROWS_2D else 4
+    lo = 1 if name in _ROWS_2D else 2
     if not lo <= len(shape) <= want:
-        forms = "(B, M) or (M,)" if name == "key_padding_mask" else "(B, H, L, F), (H, L, F) or (L, F)"
+        forms = "(B, L) or (L,)" if name in _ROWS_2D else "(B, H, L, F), (H, L, F) or (L, F)"
         raise ValueError(f"dataset {name!r} has {len(shape)} dimensions {shape}; expected {forms}")
     return (1,) * (want - len(shape)) + tuple(shape)
 
 
 def _check_dtype(name: str, dt: np.dtype) -> None:
+    if name in ("segment_ids", "kv_segment_ids"):
+        if dt.kind not in "iu":
+            raise TypeError(f"dataset {name!r} has dtype {dt}; document ids must be integers")
+        return
     if name == "key_padding_mask":
         if dt != np.bool_:
             raise TypeError(f"dataset 'key_padding_mask' has dtype {dt}; it must be boolean "
@@ -173,6 +191,29 @@ def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
     if "key_padding_mask" in shapes and shapes["key_padding_mask"] != (B, M):
         raise ValueError(f"key_padding_mask has shape {shapes['key_padding_mask']}, "
                          f"expected (B, M) = {(B, M)}")
+    for name, want in (("segment_ids", (B, N)), ("kv_segment_ids", (B, M))):
+        if name in shapes and shapes[name] != want:
+            raise ValueError(f"{name} has shape {shapes[name]}, expected {want}")
+    if "kv_segment_ids" in shapes and "segment_ids" not in shapes:
+        raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
+    if "segment_ids" in shapes and "kv_segment_ids" not in shapes and N != M:
+        raise ValueError(f"segment_ids without kv_segment_ids: the keys take the query ids, "
+                         f"which needs N == M (here N = {N}, M = {M})")
+
+
+def window_from_attribute(value: Any) -> tuple | None:
+    """The ``window`` attribute (two ints, -1 = no bound on that side) -> ``(left, right)`` or None.
+
+    Raises ValueError unless it is two integers >= -1.
+    """
+    if value is None:
+        return None
+    w = np.asarray(value)
+    if w.shape != (2,) or w.dtype.kind not in "iu" or (w < -1).any():
+        raise ValueError(f"attribute 'window' must be two integers (left, right), -1 for no bound, "
+                         f"got {value!r}")
+    out = tuple(None if x < 0 else int(x) for x in w.tolist())
+    return None if out == (None, None) else out
 
 
 def _read_meta(path: str) -> dict:
@@ -204,8 +245,13 @@ def _read_meta(path: str) -> dict:
                 scale = float(_plain(scale))
             except (TypeError, ValueError):
                 raise ValueError(f"{path}: attribute 'scale' must be a number, got {scale!r}") from None
+        try:
+            window = window_from_attribute(f.attrs.get("window"))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": file_info(path),
-            "causal": None if causal is None else bool(_plain(causal)), "scale": scale}
+            "causal": None if causal is None else bool(_plain(causal)), "scale": scale,
+            "window": window}
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
@@ -237,8 +283,8 @@ def _first_nonfinite_row(x: np.ndarray, axis: int, segs: list[tuple[int, int]]) 
     return None
 
 
-def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype: Any = None,
-               check_finite: bool = True) -> Inputs:
+def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype: Any = None,
+               check_finite: bool = True, kv_layout: Any = None) -> Inputs:
     """Read this rank's rows of an attention problem from an HDF5 file.
 
     Parameters
@@ -246,12 +292,15 @@ def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype
     path : str
         File with datasets ``q`` (B, H, N, E), ``k`` (B, Hkv, M, E), ``v``
         (B, Hkv, M, Ev), optionally ``dout`` (B, H, N, Ev) and
-        ``key_padding_mask`` (B, M) bool. ``q``, ``k``, ``v``, ``dout`` may
-        also be stored 3-D (H, L, F) or 2-D (L, F), the mask 1-D (M,).
+        ``key_padding_mask`` (B, M) bool, ``segment_ids`` (B, N) and
+        ``kv_segment_ids`` (B, M) integers. ``q``, ``k``, ``v``, ``dout`` may
+        also be stored 3-D (H, L, F) or 2-D (L, F), the mask and ids 1-D.
     comm : mpi4py.MPI.Intracomm, optional
         Communicator (default ``MPI.COMM_WORLD``).
-    layout : {"contiguous", "zigzag"}
+    layout : {"contiguous", "zigzag"} or Layout
         Which rows each rank reads (:mod:`mpiattn.layouts`).
+    kv_layout : layout, optional
+        The rows of the key datasets (:data:`KEY_DATASETS`); default ``layout``.
     dtype : dtype, optional
         Compute dtype for ``q``, ``k``, ``v``, ``dout``; default the common
         type of the stored ``q``, ``k``, ``v``.
@@ -270,8 +319,10 @@ def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype
     """
     c = get_comm(comm)
     path = os.path.abspath(path)
+    kv_layout = layout if kv_layout is None else kv_layout
     with c.collective_errors():
         check_layout(layout)
+        check_layout(kv_layout)
         if dtype is not None:
             backend.check_dtype(dtype, "the compute dtype")
     meta = on_rank0(c, lambda: _read_meta(path))
@@ -285,9 +336,11 @@ def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype
             for name, stored in meta["stored"].items():
                 axis = len(stored) - SEQ_AXIS_FROM_END[name]
                 length = stored[axis]
-                segs = all_segments(length, c.size, layout)[c.rank]
+                segs = all_segments(length, c.size, kv_layout if name in KEY_DATASETS else layout)[c.rank]
                 x = _read_segments(f[name], segs, axis)
-                if name != "key_padding_mask":
+                if name in ("segment_ids", "kv_segment_ids"):
+                    x = x.astype(np.int64, copy=False)
+                elif name != "key_padding_mask":
                     if check_finite:
                         row = _first_nonfinite_row(x, axis, segs)
                         if row is not None:
@@ -300,4 +353,28 @@ def read_input(path: str, comm: Any = None, *, layout: str = "contiguous", dtype
     return Inputs(path=path, q=arrays["q"], k=arrays["k"], v=arrays["v"], dout=arrays.get("dout"),
                   key_padding_mask=arrays.get("key_padding_mask"), n=n, m=m,
                   stored_ndim={k: len(s) for k, s in meta["stored"].items()},
-                  causal=meta["causal"], scale=meta["scale"], layout=layout, info=meta["info"])
+                  causal=meta["causal"], scale=meta["scale"], layout=layout, info=meta["info"],
+                  segment_ids=arrays.get("segment_ids"), kv_segment_ids=arrays.get("kv_segment_ids"),
+                  window=meta["window"], kv_layout=kv_layout)
+
+
+def read_whole(path: str, name: str, comm: Any = None) -> tuple[dict, np.ndarray | None]:
+    """The promoted global shapes of the datasets, and one (small) dataset whole, on every rank.
+
+    Rank 0 validates the file (as :func:`read_input`) and reads the dataset
+    (promoted like there: ``(B, L)`` for the mask and the ids); every rank
+    receives both (the array is None when the file has no such dataset). For
+    e.g. the document ids that ``--layout balanced`` needs.
+    """
+    c = get_comm(comm)
+    path = os.path.abspath(path)
+
+    def read() -> tuple:
+        meta = _read_meta(path)
+        if name not in meta["stored"]:
+            return meta["shapes"], None
+        with _open_read(path) as f:
+            x = f[name][...]
+        return meta["shapes"], x.reshape(meta["shapes"][name])
+
+    return on_rank0(c, read)

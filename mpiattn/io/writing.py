@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..comm.core import Comm, get_comm
-from ..layouts import all_segments, check_layout, local_length
+from ..layouts import all_segments, check_layout, describe, local_length
 from .atomic import write_atomically
 from .reading import parallel_hdf5
 
@@ -44,11 +44,15 @@ class Rows:
         Global length of the sequence axis.
     axis : int
         The sequence axis of ``data`` (non-negative).
+    layout : str or Layout, optional
+        The layout of these rows, when it is not the one passed to
+        :func:`write_rows` (e.g. key rows of cross attention).
     """
 
     data: np.ndarray
     length: int
     axis: int
+    layout: Any = None
 
     def global_shape(self) -> tuple[int, ...]:
         """Shape of the global array."""
@@ -66,7 +70,7 @@ def _chunks(shape: tuple[int, ...], axis: int, itemsize: int) -> tuple[int, ...]
     return tuple(rows if i == axis else s for i, s in enumerate(shape))
 
 
-def _local_meta(datasets: Mapping[str, Rows], nranks: int, rank: int, layout: str) -> dict:
+def _local_meta(datasets: Mapping[str, Rows], nranks: int, rank: int, layout: Any) -> dict:
     meta = {}
     for name, rows in datasets.items():
         x = rows.data
@@ -74,10 +78,11 @@ def _local_meta(datasets: Mapping[str, Rows], nranks: int, rank: int, layout: st
             raise TypeError(f"dataset {name!r}: write_rows takes NumPy arrays (use backend.to_host)")
         if not 0 <= rows.axis < x.ndim:
             raise ValueError(f"dataset {name!r}: axis {rows.axis} out of range for ndim {x.ndim}")
-        want = local_length(rows.length, rank, nranks, layout)
+        lay = layout if rows.layout is None else check_layout(rows.layout)
+        want = local_length(rows.length, rank, nranks, lay)
         if x.shape[rows.axis] != want:
             raise ValueError(f"dataset {name!r}: rank {rank} holds {x.shape[rows.axis]} rows, the "
-                             f"{layout} layout of {rows.length} rows gives it {want}")
+                             f"{describe(lay)} layout of {rows.length} rows gives it {want}")
         meta[name] = (rows.global_shape(), x.dtype.str, rows.axis)
     return meta
 
@@ -222,7 +227,7 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
     attrs = c.bcast_obj(dict(attrs or {})) if c.size > 1 else dict(attrs or {})
 
     def segs_of(rows: Rows) -> list:
-        return all_segments(rows.length, c.size, layout)[c.rank]
+        return all_segments(rows.length, c.size, layout if rows.layout is None else rows.layout)[c.rank]
 
     def write(tmp: str) -> None:
         writer = _write_parallel if parallel_hdf5() else _write_serial
