@@ -234,8 +234,10 @@ class MultiheadAttention:
 
     # --------------------------------------------------------------- forward
     def forward(self, query: Any, key: Any = None, value: Any = None, comm: Any = None, *,
-                causal: bool = False, key_padding_mask: Any = None, layout: str = "contiguous",
-                strategy: str = "auto", block_size: int | None = None, engine: str = "auto") -> Any:
+                causal: bool = False, key_padding_mask: Any = None, layout: Any = "contiguous",
+                strategy: str = "auto", block_size: int | None = None, engine: str = "auto",
+                window: tuple | None = None, segment_ids: Any = None, kv_segment_ids: Any = None,
+                kv_layout: Any = None) -> Any:
         """Attention output for this rank's query rows.
 
         Parameters
@@ -254,7 +256,10 @@ class MultiheadAttention:
             Mask keys at global positions ``j > i`` for query position ``i``.
         key_padding_mask : bool array, shape (B, m_r), optional
             True marks padding keys (never attended).
-        layout, strategy, block_size, engine
+        window, segment_ids, kv_segment_ids
+            Sliding window ``(left, right)`` and document ids ``(B, n_r)``,
+            ``(B, m_r)``, as in :func:`mpiattn.attention`.
+        layout, kv_layout, strategy, block_size, engine
             Passed to :func:`mpiattn.attention` (and its backward).
 
         Returns
@@ -272,7 +277,8 @@ class MultiheadAttention:
         self._cache = None  # a failed call must not leave a stale cache behind
         opts = dict(causal=causal, scale=1.0 / math.sqrt(self.head_dim),
                     key_padding_mask=key_padding_mask, layout=layout, strategy=strategy,
-                    block_size=block_size, engine=engine)
+                    block_size=block_size, engine=engine, window=window, segment_ids=segment_ids,
+                    kv_segment_ids=kv_segment_ids, kv_layout=kv_layout)
         with c.abort_on_error():  # a rank failing here would leave the others in attention()
             p, acc, dt = self.params, self.grad_dtype, self.dtype
             B, n, m = query.shape[0], query.shape[1], xk.shape[1]

@@ -428,3 +428,25 @@ def test_layout_must_partition():
         mpiattn.Layout([[(0, 2.5)]])
     with pytest.raises(TypeError):
         mpiattn.Layout("0-5")
+
+
+# ------------------------------------------------------------------ the layer
+def test_multihead_attention_takes_the_mask_keywords(comm, xp):
+    """MultiheadAttention(window=, segment_ids=, layout=Layout) against projections + the dense reference."""
+    P = comm.size
+    B, N, E, H = 2, 21, 8, 2
+    x = np.random.default_rng(14).standard_normal((B, N, E))
+    seg = documents(B, N, 6)
+    lay = mpiattn.balance(N, P, causal=True, segment_ids=seg)
+    layer = mpiattn.MultiheadAttention(E, H, dtype=np.float64, seed=3).to(xp)
+    kw = dict(causal=True, window=(4, 0), layout=lay, segment_ids=mpiattn.shard(seg, axis=-1, layout=lay))
+    y = layer(xp.asarray(mpiattn.shard(x, layout=lay)), **kw)
+    p = {k: host(v) for k, v in layer.params.items()}
+    heads = lambda z: z.reshape(B, N, H, E // H).transpose(0, 2, 1, 3)  # noqa: E731
+    Q, K, V = heads(x @ p["wq"]), heads(x @ p["wk"]), heads(x @ p["wv"])
+    vis = visible_matrix(B, N, N, True, (4, 0), seg, seg)
+    out = reference(Q, K, V, np.zeros_like(Q), vis)[0]
+    want = out.transpose(0, 2, 1, 3).reshape(B, N, E) @ p["wo"]
+    np.testing.assert_allclose(host(mpiattn.gather(y, layout=lay, root=None)), want, rtol=1e-10, atol=1e-10)
+    dx = layer.backward(xp.ones_like(y))[0]
+    assert host(dx).shape == (B, y.shape[1], E) and np.isfinite(host(dx)).all()
