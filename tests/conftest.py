@@ -54,12 +54,6 @@ def serial_only():
         pytest.skip("launches mpiexec itself; runs in the single-process session")
 
 
-def host(a):
-    """Any array as NumPy (for assertions)."""
-    from mpiattn.backend import to_host
-    return to_host(a)
-
-
 @pytest.fixture
 def shared_dir(comm):
     path = comm.bcast_obj(tempfile.mkdtemp(prefix="mpiattn-test-") if comm.rank == 0 else None)

@@ -1,10 +1,114 @@
-"""Helpers for tests that launch processes themselves."""
+"""Helpers shared by the tests (imported as ``helpers``; no test module imports another).
+
+``host``         any array as NumPy, for assertions
+``mpiexec``      the launcher beside this Python (the venv's), else the one on PATH
+``run_group``    run a command in its own process group, killed whole on timeout
+``whole``        every dataset and the root attributes of an HDF5 file
+``bad_input``    write an input file with one named defect
+``install_fake_cupy``  the fake CuPy of ``fake_cupy.py`` in ``sys.modules``, GPU caches emptied
+"""
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
+
+import h5py
+import numpy as np
+import pytest
+
+
+def host(a):
+    """Any array as NumPy (for assertions)."""
+    from mpiattn.backend import to_host
+    return to_host(a)
 
 
 def mpiexec() -> str:
     local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return local if os.path.exists(local) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run_group(cmd, timeout, **kw):
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (ranks too) and fail.
+
+    Returns ``(returncode, stdout, stderr)``.
+    """
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{cmd} ran over {timeout} s and was killed:\n{out}\n{err}")
+    return p.returncode, out, err
+
+
+def whole(path):
+    """``({name: array}, {attribute: value})`` of an HDF5 file."""
+    with h5py.File(path, "r") as f:
+        return {name: f[name][...] for name in f}, dict(f.attrs)
+
+
+def bad_input(kind, path):
+    """Write an input file with one defect."""
+    q = np.ones((1, 2, 6, 4), np.float32)
+    k = np.ones((1, 1, 5, 4), np.float32)
+    v = np.ones((1, 1, 5, 3), np.float32)
+    extra = {}
+    if kind == "not-hdf5":
+        with open(path, "w") as fh:
+            fh.write("q,k,v\n")
+        return
+    if kind == "no-k":
+        k = None
+    elif kind == "q-5d":
+        q = np.ones((1, 1, 2, 6, 4), np.float32)
+    elif kind == "k-1d":
+        k = np.ones(5, np.float32)
+    elif kind == "E":
+        k = np.ones((1, 1, 5, 3), np.float32)
+    elif kind == "M":
+        v = np.ones((1, 1, 4, 3), np.float32)
+    elif kind == "heads":
+        q = np.ones((1, 3, 6, 4), np.float32)
+        k, v = np.ones((1, 2, 5, 4), np.float32), np.ones((1, 2, 5, 3), np.float32)
+    elif kind == "int":
+        q = np.ones((1, 2, 6, 4), np.int32)
+    elif kind == "complex":
+        v = np.ones((1, 1, 5, 3), np.complex64)
+    elif kind == "mask-shape":
+        extra["key_padding_mask"] = np.zeros((1, 6), bool)
+    elif kind == "mask-dtype":
+        extra["key_padding_mask"] = np.zeros((1, 5), np.int8)
+    elif kind == "dout-shape":
+        extra["dout"] = np.ones((1, 2, 6, 4), np.float32)
+    elif kind == "nan":
+        q[0, 1, 5, 2] = np.nan
+    elif kind == "inf":
+        v[0, 0, 1, 0] = -np.inf
+    with h5py.File(path, "w") as f:
+        for name, x in {"q": q, "k": k, "v": v, **extra}.items():
+            if x is not None:
+                f[name] = x
+
+
+def install_fake_cupy(monkeypatch, **kw):
+    """Put a fresh fake CuPy (``fake_cupy.install(monkeypatch, **kw)``) in ``sys.modules``.
+
+    Also empties, for the test, the caches that would otherwise keep the fake's streams
+    (``mpiattn.gpu``'s streams and uploaders) and the warnings and transport notices
+    already given.
+    Call ``fake_cupy.shutdown()`` afterwards.
+    """
+    import fake_cupy
+    from mpiattn import gpu
+    from mpiattn.comm import device
+
+    monkeypatch.setattr(gpu, "_STREAMS", {})
+    monkeypatch.setattr(gpu, "_UPLOADERS", {})
+    monkeypatch.setattr(gpu, "_WARNED", set())
+    monkeypatch.setattr(device, "_SAID", set())
+    return fake_cupy.install(monkeypatch, **kw)

@@ -318,21 +318,23 @@ def test_bad_input_same_error_everywhere(comm, xp, case):
         mpiattn.attention(q, k, v, **kw)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("strategy", STRATS)
-@pytest.mark.parametrize("where", ["nan-key", "inf-query"])
-def test_nonfinite_allowed_when_asked(comm, xp, strategy, where):
-    """check_finite=False: a NaN key makes every row that sees it non-finite, an Inf query its own
-    row; rows the value cannot reach (other heads, other queries) are the exact result.
+@pytest.mark.parametrize("where", ["nan-key", "nan-query", "inf-query"])
+def test_nonfinite_allowed_when_asked(comm, xp, strategy, where, engine):
+    """check_finite=False: a NaN key makes every row that sees it non-finite, a NaN or Inf query its
+    own row; rows the value cannot reach (other heads, other queries) are the exact result.
 
     (Rows of the same head that do not see the NaN key are not checked: whether a masked NaN
     score reaches them depends on the tiling, and nothing is promised about it.)
     """
+    engine_or_skip(engine, strategy, np.float64, xp)
     P = comm.size
     Q, K, V, _, _ = make_case(21, 1, 4 * P, 2 * P, 12, 12, 4, 3, np.float64, None)  # ulysses: P | H, Hkv
     if where == "nan-key":
         K[0, 0, 7, 1] = np.nan  # key/value head 0: query heads 0 and 1, causal rows 7..11
     else:
-        Q[0, 1, 5, 0] = np.inf  # query head 1, row 5
+        Q[0, 1, 5, 0] = np.nan if where == "nan-query" else np.inf  # query head 1, row 5
     with np.errstate(all="ignore"):
         ref_out, ref_lse = reference(Q, K, V, causal=True)
     bad = ~np.isfinite(ref_out).all(-1)  # (B, H, N): the rows the value reaches
@@ -344,11 +346,11 @@ def test_nonfinite_allowed_when_asked(comm, xp, strategy, where):
         trusted = ~bad
     zz = lambda x, axis=-2: mpiattn.shard(x, axis=axis, layout="zigzag")  # noqa: E731
     sh = lambda x: xp.asarray(zz(x))  # noqa: E731
+    kw = dict(causal=True, layout="zigzag", strategy=strategy, engine=engine)
     with pytest.raises(ValueError, match="NaN or Inf"):  # by default it is refused
-        mpiattn.attention(sh(Q), sh(K), sh(V), causal=True, layout="zigzag", strategy=strategy)
+        mpiattn.attention(sh(Q), sh(K), sh(V), **kw)
     with np.errstate(all="ignore"):
-        out, lse = mpiattn.attention(sh(Q), sh(K), sh(V), causal=True, layout="zigzag", strategy=strategy,
-                                     block_size=2, check_finite=False)
+        out, lse = mpiattn.attention(sh(Q), sh(K), sh(V), block_size=2, check_finite=False, **kw)
     out, lse = host(out), host(lse)
     bad, trusted = zz(bad, -1), zz(trusted, -1)
     assert not np.isfinite(out[bad]).any() and not np.isfinite(lse[bad]).any()

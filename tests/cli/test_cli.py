@@ -12,10 +12,13 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiattn import cli, datagen
-from mpiattn.reference import reference
+import mpiattn
+from mpiattn import cli
+from mpiattn.cli import commands, common, steps
+from mpiattn.io import datagen
+from mpiattn.cli.check import exact_attention as reference
 
-from test_io import _bad
+from helpers import bad_input, whole
 
 
 
@@ -33,14 +36,9 @@ def run(comm, capsys, *argv):
     return code, out, err
 
 
-def _whole(path):
-    with h5py.File(path, "r") as f:
-        return {name: f[name][...] for name in f}, dict(f.attrs)
-
-
 def _assert_matches_reference(inp_path, out_path, causal, rtol=2e-4):
-    data, _ = _whole(inp_path)
-    got, attrs = _whole(out_path)
+    data, _ = whole(inp_path)
+    got, attrs = whole(out_path)
     ref = reference(data["q"], data["k"], data["v"], data.get("dout"), causal=causal,
                     key_padding_mask=data.get("key_padding_mask"))
     for name in got:
@@ -86,7 +84,7 @@ def test_make_data_content_is_rank_count_independent(comm, capsys, shared_dir):
     path = _make(comm, capsys, os.path.join(shared_dir, "in.h5"), "--causal", "--scale", 0.3)
     spec = datagen.Spec(batch=1, heads=4, kv_heads=2, seq=70, kv_seq=45, dim=8, value_dim=6,
                         with_dout=True, padding=0.2, seed=5)
-    data, attrs = _whole(path)
+    data, attrs = whole(path)
     for name, (shape, axis) in spec.datasets().items():
         np.testing.assert_array_equal(data[name], datagen.rows(spec, name, 0, shape[axis]))
     assert bool(attrs["causal"]) and attrs["scale"] == 0.3 and attrs["seed"] == 5
@@ -108,8 +106,8 @@ def test_low_dimensional_inputs_keep_their_shapes(comm, capsys, shared_dir):
     out = os.path.join(shared_dir, "out.h5")
     code, _, err = run(comm, capsys, "run", path, "-o", out, "--check", "--dtype", "float64")
     assert code == 0, err
-    data, _ = _whole(path)
-    got, _ = _whole(out)
+    data, _ = whole(path)
+    got, _ = whole(out)
     assert {k: v.shape for k, v in got.items()} == {"out": (9, 3), "lse": (9,), "dq": (9, 4),
                                                     "dk": (6, 4), "dv": (6, 3)}
     ref = reference(data["q"][None, None], data["k"][None, None], data["v"][None, None],
@@ -133,7 +131,7 @@ def test_no_backward_and_ulysses_heads(comm, capsys, shared_dir):
     out = os.path.join(shared_dir, "out.h5")
     code, _, err = run(comm, capsys, "run", inp, "-o", out, "--no-backward")
     assert code == 0, err
-    assert sorted(_whole(out)[0]) == ["lse", "out"]
+    assert sorted(whole(out)[0]) == ["lse", "out"]
     code, _, err = run(comm, capsys, "run", inp, "-o", out, "--force", "--strategy", "ulysses")
     if 2 % comm.size == 0:  # Hkv = 2 heads must divide among the ranks
         assert code == 0, err
@@ -156,7 +154,7 @@ def test_bad_input_exits_1(comm, capsys, shared_dir, kind, message):
     path = os.path.join(shared_dir, "in.h5")
     if kind != "missing":
         if comm.rank == 0:
-            _bad(kind, path)
+            bad_input(kind, path)
         comm.barrier()
     out = os.path.join(shared_dir, "out.h5")
     code, _, err = run(comm, capsys, "run", path, "-o", out)
@@ -167,19 +165,19 @@ def test_bad_input_exits_1(comm, capsys, shared_dir, kind, message):
     if kind == "nan":
         code, _, err = run(comm, capsys, "run", path, "-o", out, "--allow-nonfinite")
         assert code == 0, err
-        assert np.isnan(_whole(out)[0]["out"]).any()
+        assert np.isnan(whole(out)[0]["out"]).any()
 
 
 def test_output_rules(comm, capsys, shared_dir):
     inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
     out = os.path.join(shared_dir, "out.h5")
     assert run(comm, capsys, "run", inp, "-o", out, "-q")[0] == 0
-    first = _whole(out)[0]
+    first = whole(out)[0]
     code, _, err = run(comm, capsys, "run", inp, "-o", out, "--no-backward")
     assert code == 1 and (comm.rank or "already exists" in err)
-    np.testing.assert_array_equal(_whole(out)[0]["dq"], first["dq"])  # untouched
+    np.testing.assert_array_equal(whole(out)[0]["dq"], first["dq"])  # untouched
     assert run(comm, capsys, "run", inp, "-o", out, "--no-backward", "--force", "-q")[0] == 0
-    assert "dq" not in _whole(out)[0]
+    assert "dq" not in whole(out)[0]
     code, _, err = run(comm, capsys, "run", inp, "-o", inp, "--force")
     assert code == 1 and (comm.rank or "is the input file" in err)
     code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "no", "o.h5"))
@@ -194,15 +192,13 @@ def test_output_rules(comm, capsys, shared_dir):
 
 
 def test_failed_check_exits_1(comm, capsys, shared_dir, monkeypatch):
-    import mpiattn.reference as refmod
-
     inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
-    real = refmod.reference
+    real = steps.exact_attention
 
     def skewed(*a, **kw):
         r = real(*a, **kw)
         return r._replace(dv=r.dv * 1.01)
-    monkeypatch.setattr(refmod, "reference", skewed)
+    monkeypatch.setattr(steps, "exact_attention", skewed)
     code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--check")
     assert code == 1 and (comm.rank or ("check failed" in err and "dv" in err))
     code, text, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o2.h5"),
@@ -246,7 +242,7 @@ def test_help_version_info(comm, capsys):
 
 
 def test_device_gpu_without_gpu_exits_1(comm, capsys, shared_dir):
-    if cli._gpu_status()[0]:
+    if steps.gpu_status()[0]:
         pytest.skip("a GPU is usable here")
     inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
     code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--device", "gpu")
@@ -261,11 +257,11 @@ def test_example(comm, capsys, shared_dir, monkeypatch):
     assert code == 0, err
     if comm.rank == 0:
         assert "forward + backward, causal" in text and "OK" in text and f"{comm.size} rank(s)" in text
-    got, attrs = _whole(cli.EXAMPLE_OUTPUT)
+    got, attrs = whole(cli.EXAMPLE_OUTPUT)
     assert attrs[cli.EXAMPLE_ATTR] == 1 and sorted(got) == ["dk", "dq", "dv", "lse", "out"]
     _assert_matches_reference(attrs["input_path"], cli.EXAMPLE_OUTPUT, causal=True)
     assert run(comm, capsys, "-q", "--strategy", "ring")[0] == 0  # overwrites its own output
-    assert _whole(cli.EXAMPLE_OUTPUT)[1]["strategy"] == "ring"
+    assert whole(cli.EXAMPLE_OUTPUT)[1]["strategy"] == "ring"
     comm.barrier()  # everybody has read it
     if comm.rank == 0:  # someone else's file under that name
         os.remove(cli.EXAMPLE_OUTPUT)
@@ -274,28 +270,41 @@ def test_example(comm, capsys, shared_dir, monkeypatch):
     comm.barrier()
     code, _, err = run(comm, capsys)
     assert code == 1 and (comm.rank or "refusing to overwrite" in err)
-    assert list(_whole(cli.EXAMPLE_OUTPUT)[0]) == ["precious"]
+    assert list(whole(cli.EXAMPLE_OUTPUT)[0]) == ["precious"]
 
 
 def test_example_without_bundled_file_regenerates_it(comm, capsys, shared_dir, monkeypatch):
     import contextlib
 
     monkeypatch.chdir(shared_dir)
-    monkeypatch.setattr(cli, "_example_input", lambda: contextlib.nullcontext(None))
+    monkeypatch.setattr(commands, "_example_input", lambda: contextlib.nullcontext(None))
     code, text, err = run(comm, capsys, "--strategy", "ring")
     assert code == 0, err
     assert comm.rank or ("regenerating" in text and "OK" in text)
     assert os.listdir(shared_dir) == [cli.EXAMPLE_OUTPUT]  # the regenerated input is gone again
-    bundled = os.path.join(os.path.dirname(cli.__file__), "data", "example.h5")
+    bundled = os.path.join(os.path.dirname(mpiattn.__file__), "data", "example.h5")
     _assert_matches_reference(bundled, cli.EXAMPLE_OUTPUT, causal=True)  # same data as bundled
 
 
 def test_bundled_example_is_reproducible():
-    path = os.path.join(os.path.dirname(cli.__file__), "data", "example.h5")
+    path = os.path.join(os.path.dirname(mpiattn.__file__), "data", "example.h5")
     assert os.path.getsize(path) <= 1_000_000
-    data, attrs = _whole(path)
-    spec = datagen.Spec(**cli.EXAMPLE_SPEC)
+    data, attrs = whole(path)
+    spec = datagen.Spec(**common.EXAMPLE_SPEC)
     assert sorted(data) == sorted(spec.datasets())
     for name, (shape, axis) in spec.datasets().items():
         np.testing.assert_array_equal(data[name], datagen.rows(spec, name, 0, shape[axis]))
     assert bool(attrs["causal"])
+
+
+def test_top_level_data_holds_the_same_example():
+    """data/example.h5 (the project layout's data folder) is a byte-for-byte copy of the packaged
+    mpiattn/data/example.h5, which the CLI reads and the test above regenerates."""
+    import filecmp
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    copy = os.path.join(repo, "data", "example.h5")
+    packaged = os.path.join(repo, "mpiattn", "data", "example.h5")
+    assert os.path.isfile(copy), "data/example.h5 is missing: cp mpiattn/data/example.h5 data/"
+    assert filecmp.cmp(copy, packaged, shallow=False), \
+        "data/example.h5 differs from mpiattn/data/example.h5: cp mpiattn/data/example.h5 data/"

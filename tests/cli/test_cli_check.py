@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from mpiattn.reference import reference
+from mpiattn.cli.check import exact_attention as reference
 
 
 def _problem(seed, B=2, H=4, Hkv=2, N=5, M=7, E=3, Ev=2):

@@ -16,26 +16,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiattn.reference import reference
-from tests_util import mpiexec
+from mpiattn.cli.check import exact_attention as reference
+from helpers import mpiexec, run_group, whole
 
 LIMIT_S = 120
-
-
-def run_group(cmd, timeout, **kw):
-    """Run ``cmd`` in its own process group; on timeout kill the whole group (ranks too) and fail.
-
-    Returns ``(returncode, stdout, stderr)``.
-    """
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, **kw)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{cmd} ran over {timeout} s and was killed:\n{out}\n{err}")
-    return p.returncode, out, err
 
 
 def launch(ranks, *args, cwd, script=None):
@@ -49,21 +33,16 @@ def launch(ranks, *args, cwd, script=None):
     return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def _whole(path):
-    with h5py.File(path, "r") as f:
-        return {name: f[name][...] for name in f}, dict(f.attrs)
-
-
 def test_example_from_any_directory(serial_only, tmp_path):
     p = launch(2, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("check    max relative error") == 1 and "OK" in p.stdout  # rank 0 only
     assert "2 rank(s)" in p.stdout
-    _, attrs = _whole(tmp_path / "mpiattn-example-out.h5")
+    _, attrs = whole(tmp_path / "mpiattn-example-out.h5")
     assert attrs["ranks"] == 2 and attrs["mpiattn_example"] == 1
     p = launch(4, "--quiet", cwd=tmp_path)  # overwrites its own earlier output
     assert p.returncode == 0 and p.stdout == "", p.stderr
-    assert _whole(tmp_path / "mpiattn-example-out.h5")[1]["ranks"] == 4
+    assert whole(tmp_path / "mpiattn-example-out.h5")[1]["ranks"] == 4
 
 
 def test_make_data_and_run_at_1_2_4_ranks(serial_only, tmp_path):
@@ -72,8 +51,8 @@ def test_make_data_and_run_at_1_2_4_ranks(serial_only, tmp_path):
     assert launch(1, "make-data", "a.h5", *size, cwd=tmp_path).returncode == 0
     p = launch(4, "make-data", "b.h5", *size, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
-    a, _ = _whole(tmp_path / "a.h5")
-    b, _ = _whole(tmp_path / "b.h5")
+    a, _ = whole(tmp_path / "a.h5")
+    b, _ = whole(tmp_path / "b.h5")
     for name in a:  # the same file whatever the number of ranks
         np.testing.assert_array_equal(a[name], b[name])
     ref = reference(a["q"], a["k"], a["v"], a["dout"], causal=True, key_padding_mask=a["key_padding_mask"])
@@ -82,7 +61,7 @@ def test_make_data_and_run_at_1_2_4_ranks(serial_only, tmp_path):
         p = launch(ranks, "run", "b.h5", "-o", out, "--check", "--block-size", 64, cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         assert p.stdout.count("OK") == 1
-        got, attrs = _whole(tmp_path / out)
+        got, attrs = whole(tmp_path / out)
         assert attrs["ranks"] == ranks and attrs["layout"] == "zigzag"
         for name in ("out", "lse", "dq", "dk", "dv"):
             want = getattr(ref, name)
@@ -110,13 +89,14 @@ def test_a_failure_on_one_rank_ends_the_job(serial_only, tmp_path):
         import sys
         from mpi4py import MPI
         from mpiattn import cli
+        from mpiattn.cli import commands, steps
 
-        real = cli._hosts
+        real = steps.host_names
         def broken(c):
             if c.rank == 1:
                 raise KeyError("simulated bug on rank 1")
             return real(c)  # the other ranks wait in an allgather
-        cli._hosts = broken
+        steps.host_names = commands.host_names = broken
         sys.exit(cli.main(["info"]))
     """))
     p = launch(3, cwd=tmp_path, script=script)
@@ -132,20 +112,21 @@ def test_failed_write_leaves_previous_output(serial_only, tmp_path):
         import sys
         from mpi4py import MPI
         from mpiattn import cli, io
+        from mpiattn.io import writing
 
         assert cli.main(["make-data", "in.h5", "--seq", "40", "--dim", "4", "--with-dout", "-q"]) == 0
         assert cli.main(["run", "in.h5", "-o", "out.h5", "-q"]) == 0
-        real = io._write_slabs
+        real = writing._write_slabs
         def failing(f, datasets, segs_of, collective):
             if MPI.COMM_WORLD.Get_rank() == 1:
                 real(f, dict(list(datasets.items())[:1]), segs_of, collective)
                 raise OSError("simulated: disk full on rank 1")
             real(f, datasets, segs_of, collective)
-        io._write_slabs = failing
+        writing._write_slabs = failing
         sys.exit(cli.main(["run", "in.h5", "-o", "out.h5", "--force", "--no-backward"]))
     """))
     p = launch(2, cwd=tmp_path, script=script)
     assert p.returncode != 0
     assert "simulated: disk full on rank 1" in p.stderr
     assert sorted(os.listdir(tmp_path)) == ["fail.py", "in.h5", "out.h5"]
-    assert "dq" in _whole(tmp_path / "out.h5")[0]  # still the first run's output
+    assert "dq" in whole(tmp_path / "out.h5")[0]  # still the first run's output

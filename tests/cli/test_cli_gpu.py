@@ -1,62 +1,69 @@
 """``run --device gpu`` through the fake CuPy of tests/fake_cupy.py (no GPU needed).
 
 Exercises the CLI's GPU path: device binding, host slabs uploaded to the
-"device", the transport flag, results brought back to the host and written.
-The CLI gets a communicator of its own (fresh Comm cache), freed afterwards.
+"device", the transport flag (passed to ``gpu.bind_device``, never through the
+environment), results brought back to the host and written. The CLI gets a
+communicator of its own (fresh Comm cache), freed afterwards.
 """
 
 import os
 
-import h5py
 import numpy as np
 import pytest
 
 import fake_cupy
-from mpiattn import cli, gpu
-from mpiattn import comm as comm_module
-from mpiattn.reference import reference
-
-
+from helpers import install_fake_cupy, whole
+from mpiattn import cli
+from mpiattn.cli.check import exact_attention
+from mpiattn.comm import core as comm_core
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch, comm):
-    monkeypatch.setattr(gpu, "_STREAMS", {})
-    monkeypatch.setattr(gpu, "_UPLOADERS", {})
-    monkeypatch.setattr(gpu, "_SAID", set())
-    monkeypatch.setattr(comm_module, "_CACHE", {})  # the CLI's get_comm() makes a Comm of its own
-    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "auto")  # restored afterwards (the CLI sets it)
-    cp = fake_cupy.install(monkeypatch, device_count=comm.size)  # one GPU per rank
+    monkeypatch.setattr(comm_core, "_CACHE", {})  # the CLI's get_comm() makes a Comm of its own
+    cp = install_fake_cupy(monkeypatch, device_count=comm.size)  # one GPU per rank
     fake_cupy._state.bus_id = f"0000:{comm.rank:02x}:00.0"
     yield cp
-    for _, c in list(comm_module._CACHE.values()):
+    for _, c in list(comm_core._CACHE.values()):
         if getattr(c, "device_transport", None) is not None:
             c.device_transport.close()
         c.mpi.Free()
     fake_cupy.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["staged", "nccl"])
-def test_run_on_fake_gpu(comm, capsys, shared_dir, fake_gpu, transport):
+@pytest.mark.parametrize("flag, env, expect", [
+    ("staged", None, "staged"),
+    ("nccl", None, "nccl"),
+    ("staged", "nccl", "staged"),  # the flag wins over MPIATTN_GPU_TRANSPORT
+    (None, "nccl", "nccl"),        # no flag: the environment decides
+])
+def test_run_on_fake_gpu(comm, capsys, shared_dir, fake_gpu, monkeypatch, flag, env, expect):
+    if env is None:
+        monkeypatch.delenv("MPIATTN_GPU_TRANSPORT", raising=False)
+    else:
+        monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", env)
     inp = os.path.join(shared_dir, "in.h5")
     out = os.path.join(shared_dir, "out.h5")
     assert cli.main(["make-data", inp, "--heads", "2", "--seq", "40", "--kv-seq", "33", "--dim", "4",
                      "--with-dout", "--padding", "0.2", "--dtype", "float64", "-q"]) == 0
-    code = cli.main(["run", inp, "-o", out, "--device", "gpu", "--gpu-transport", transport,
-                     "--strategy", "ring", "--block-size", "5", "--causal", "--check"])
+    environ_before = dict(os.environ)
+    argv = ["run", inp, "-o", out, "--device", "gpu", "--strategy", "ring", "--block-size", "5",
+            "--causal", "--check"]
+    if flag is not None:
+        argv += ["--gpu-transport", flag]
+    code = cli.main(argv)
     text, err = capsys.readouterr()
     assert comm.allgather_obj(code) == [0] * comm.size, err
+    assert dict(os.environ) == environ_before  # the CLI leaves the environment alone
     if comm.rank == 0:
         assert "compute  cupy, float64" in text and "OK" in text
-    with h5py.File(inp, "r") as f:
-        data = {name: f[name][...] for name in f}
-    with h5py.File(out, "r") as f:
-        got = {name: f[name][...] for name in f}
-        assert f.attrs["device"] == "cupy"
-        if comm.size > 1:  # (one rank never communicates: any transport will do)
-            assert f.attrs["gpu_transport"] == transport
-    ref = reference(data["q"], data["k"], data["v"], data["dout"], causal=True,
-                    key_padding_mask=data["key_padding_mask"])
+    # the transport the CLI's Comm actually got, as it uses it and as the output records it
+    (_, cli_comm), = comm_core._CACHE.values()
+    assert cli_comm.transport == expect and cli_comm.device_transport.name == expect
+    got, attrs = whole(out)
+    assert attrs["device"] == "cupy" and attrs["gpu_transport"] == expect
+    data, _ = whole(inp)
+    ref = exact_attention(data["q"], data["k"], data["v"], data["dout"], causal=True,
+                          key_padding_mask=data["key_padding_mask"])
     for name in ("out", "dq", "dk", "dv"):
         np.testing.assert_allclose(got[name], getattr(ref, name), atol=1e-12, err_msg=name)
-    assert os.environ["MPIATTN_GPU_TRANSPORT"] == transport

@@ -13,10 +13,9 @@ import sys
 import h5py
 import pytest
 
-from test_cli_e2e import run_group
-from tests_util import mpiexec
+from helpers import mpiexec, run_group
 
-JOBS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs")
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "jobs")
 SCRIPTS = [os.path.join(JOBS, name) for name in ("slurm.sbatch", "pbs.sh")]
 
 

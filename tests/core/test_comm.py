@@ -5,10 +5,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from mpiattn.comm import get_comm
+from mpiattn.comm import circulate, get_comm
 from mpiattn.layouts import all_segments, split_sizes
 
-from conftest import host
+from helpers import host
 
 
 def test_get_comm_is_cached_and_duplicated(comm):
@@ -28,7 +28,7 @@ def test_circulate_visits_every_row_once(comm, xp, layout, n, block):
     mine = xp.asarray(np.stack([gidx, 2 * gidx], -1).reshape(1, -1, 2).astype(np.float64))
     acc = xp.zeros((1, gidx.size, 1))
     seen = []
-    for piece in comm.circulate([mine], n, layout, block, acc_out=[acc]):
+    for piece in circulate(comm, [mine], n, layout, block, acc_out=[acc]):
         d = host(piece.data[0])
         np.testing.assert_array_equal(d[0, :, 0], np.arange(piece.start, piece.stop))
         np.testing.assert_array_equal(d[0, :, 1], 2 * np.arange(piece.start, piece.stop))
@@ -75,16 +75,16 @@ def test_failing_rank_aborts_instead_of_hanging(serial_only, tmp_path):
     script = tmp_path / "die.py"
     script.write_text(textwrap.dedent("""
         import numpy as np
-        from mpiattn.comm import get_comm
+        from mpiattn.comm import circulate, get_comm
         c = get_comm()
         x = np.ones((1, 4, 2))
         with c.abort_on_error():
-            for i, piece in enumerate(c.circulate([x], 4 * c.size, "contiguous", 1)):
+            for i, piece in enumerate(circulate(c, [x], 4 * c.size, "contiguous", 1)):
                 if c.rank == 1 and i == 2:
                     raise MemoryError("simulated failure on rank 1")
         print("should not get here", flush=True)
     """))
-    from tests_util import mpiexec
+    from helpers import mpiexec
     proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -10,13 +10,13 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiattn import datagen, io
+from helpers import bad_input, whole
+from mpiattn import io
+from mpiattn.io import datagen, writing
 from mpiattn.layouts import all_segments
 
 SPEC = datagen.Spec(batch=2, heads=4, kv_heads=2, seq=37, kv_seq=29, dim=8, value_dim=5,
                     with_dout=True, padding=0.3, seed=3)
-
-
 
 
 def _rows_of(x, segs, axis):
@@ -40,17 +40,12 @@ def _on_rank0(comm, fn):
     comm.barrier()
 
 
-def _whole(path):
-    with h5py.File(path, "r") as f:
-        return {name: f[name][...] for name in f}, dict(f.attrs)
-
-
 @pytest.mark.parametrize("write_layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("read_layout", ["contiguous", "zigzag"])
 def test_roundtrip(comm, shared_dir, write_layout, read_layout):
     path = os.path.join(shared_dir, "in.h5")
     _write_spec(comm, path, SPEC, write_layout, attrs={"causal": True, "scale": 0.5, "note": "x"})
-    data, attrs = _whole(path)
+    data, attrs = whole(path)
     for name, (shape, axis) in SPEC.datasets().items():
         want = datagen.rows(SPEC, name, 0, shape[axis])
         assert data[name].shape == shape and data[name].dtype == want.dtype
@@ -107,53 +102,10 @@ def test_more_ranks_than_rows(comm, shared_dir):
     spec = datagen.Spec(batch=1, heads=2, kv_heads=1, seq=1, kv_seq=2, dim=3, value_dim=3, seed=9)
     path = os.path.join(shared_dir, "tiny.h5")
     _write_spec(comm, path, spec, "zigzag")
-    data, _ = _whole(path)
+    data, _ = whole(path)
     np.testing.assert_array_equal(data["k"], datagen.rows(spec, "k", 0, 2))
     inp = io.read_input(path, comm)
     assert inp.q.shape == (1, 2, 1 if comm.rank == 0 else 0, 3)
-
-
-def _bad(kind, path):
-    """Write an input file with one defect."""
-    q = np.ones((1, 2, 6, 4), np.float32)
-    k = np.ones((1, 1, 5, 4), np.float32)
-    v = np.ones((1, 1, 5, 3), np.float32)
-    extra = {}
-    if kind == "not-hdf5":
-        with open(path, "w") as fh:
-            fh.write("q,k,v\n")
-        return
-    if kind == "no-k":
-        k = None
-    elif kind == "q-5d":
-        q = np.ones((1, 1, 2, 6, 4), np.float32)
-    elif kind == "k-1d":
-        k = np.ones(5, np.float32)
-    elif kind == "E":
-        k = np.ones((1, 1, 5, 3), np.float32)
-    elif kind == "M":
-        v = np.ones((1, 1, 4, 3), np.float32)
-    elif kind == "heads":
-        q = np.ones((1, 3, 6, 4), np.float32)
-        k, v = np.ones((1, 2, 5, 4), np.float32), np.ones((1, 2, 5, 3), np.float32)
-    elif kind == "int":
-        q = np.ones((1, 2, 6, 4), np.int32)
-    elif kind == "complex":
-        v = np.ones((1, 1, 5, 3), np.complex64)
-    elif kind == "mask-shape":
-        extra["key_padding_mask"] = np.zeros((1, 6), bool)
-    elif kind == "mask-dtype":
-        extra["key_padding_mask"] = np.zeros((1, 5), np.int8)
-    elif kind == "dout-shape":
-        extra["dout"] = np.ones((1, 2, 6, 4), np.float32)
-    elif kind == "nan":
-        q[0, 1, 5, 2] = np.nan
-    elif kind == "inf":
-        v[0, 0, 1, 0] = -np.inf
-    with h5py.File(path, "w") as f:
-        for name, x in {"q": q, "k": k, "v": v, **extra}.items():
-            if x is not None:
-                f[name] = x
 
 
 BAD = [
@@ -179,12 +131,19 @@ BAD = [
 def test_bad_input(comm, shared_dir, kind, exc, match):
     path = os.path.join(shared_dir, f"bad-{kind}.h5")
     if kind != "missing":
-        _on_rank0(comm, lambda: _bad(kind, path))
+        _on_rank0(comm, lambda: bad_input(kind, path))
     with pytest.raises(exc, match=match):  # raised on every rank
         io.read_input(path, comm, layout="zigzag")
-    if kind in ("nan", "inf"):
-        inp = io.read_input(path, comm, check_finite=False)
-        assert inp.q.shape[2] + inp.v.shape[2] >= 0
+    if kind in ("nan", "inf"):  # asked to, the reader keeps the non-finite value, where it was
+        data, _ = whole(path)
+        inp = io.read_input(path, comm, layout="zigzag", check_finite=False)
+        for name in ("q", "k", "v"):
+            segs = all_segments(data[name].shape[2], comm.size, "zigzag")[comm.rank]
+            want = _rows_of(data[name], segs, 2)
+            assert getattr(inp, name).dtype == want.dtype
+            np.testing.assert_array_equal(getattr(inp, name), want)  # NaN/Inf at the same places
+        bad = getattr(inp, "q" if kind == "nan" else "v")
+        assert sum(comm.allgather_obj(int((~np.isfinite(bad)).sum()))) == 1
 
 
 def test_check_output(comm, shared_dir, monkeypatch):
@@ -213,7 +172,7 @@ def test_check_output(comm, shared_dir, monkeypatch):
 
 
 def test_chunks_along_sequence(comm, shared_dir, monkeypatch):
-    monkeypatch.setattr(io, "CHUNK_BYTES", 4 * (2 * 3 * 4 * 4))  # 4 rows of a (2, 3, n, 4) float32 array
+    monkeypatch.setattr(writing, "CHUNK_BYTES", 4 * (2 * 3 * 4 * 4))  # 4 rows of a (2, 3, n, 4) float32 array
     n = 11
     segs = all_segments(n, comm.size)[comm.rank]
     full = np.arange(2 * 3 * n * 4, dtype=np.float32).reshape(2, 3, n, 4)
@@ -242,10 +201,10 @@ def test_failed_write_keeps_previous_output(comm, shared_dir, monkeypatch, where
         pytest.skip("with parallel HDF5 a failed write aborts the job (test_cli_e2e checks that)")
     path = os.path.join(shared_dir, "out.h5")
     _write_spec(comm, path, SPEC)
-    before, _ = _whole(path)
+    before, _ = whole(path)
     comm.barrier()
     spec2 = datagen.Spec(**{**SPEC.__dict__, "seed": 4})
-    real_write = io._write_slabs
+    real_write = writing._write_slabs
     if where == "last-rank-mid-write":
         def failing(f, datasets, segs_of, collective):
             if comm.rank == comm.size - 1:
@@ -253,14 +212,14 @@ def test_failed_write_keeps_previous_output(comm, shared_dir, monkeypatch, where
                 real_write(f, first, segs_of, collective)  # part of the data reaches the file
                 raise OSError("simulated: disk full")
             real_write(f, datasets, segs_of, collective)
-        monkeypatch.setattr(io, "_write_slabs", failing)
+        monkeypatch.setattr(writing, "_write_slabs", failing)
     else:
         def failing_create(f, meta, attrs):
             raise OSError("simulated: quota exceeded")
-        monkeypatch.setattr(io, "_create", failing_create)
+        monkeypatch.setattr(writing, "_create", failing_create)
     with pytest.raises(OSError, match="simulated"):  # every rank
         _write_spec(comm, path, spec2, force=True)
-    after, _ = _whole(path)
+    after, _ = whole(path)
     for name in before:
         np.testing.assert_array_equal(after[name], before[name])
     assert sorted(os.listdir(shared_dir)) == ["out.h5"]
@@ -269,7 +228,7 @@ def test_failed_write_keeps_previous_output(comm, shared_dir, monkeypatch, where
 def test_read_attributes(comm, shared_dir):
     path = os.path.join(shared_dir, "a.h5")
     assert io.read_attributes(path, comm) is None
-    _on_rank0(comm, lambda: _bad("not-hdf5", path))
+    _on_rank0(comm, lambda: bad_input("not-hdf5", path))
     assert io.read_attributes(path, comm) is None
     _write_spec(comm, os.path.join(shared_dir, "b.h5"), SPEC, attrs={"mpiattn_example": 1, "s": 0.5})
     assert io.read_attributes(os.path.join(shared_dir, "b.h5"), comm) == {"mpiattn_example": 1, "s": 0.5}

@@ -11,13 +11,12 @@ import math
 import os
 
 import numpy as np
-from mpiattn.comm import device as comm_device
 import pytest
 
 import mpiattn
 from mpiattn import MultiheadAttention
 
-from helpers import host
+from helpers import host, install_fake_cupy
 
 
 # ----------------------------------------------------------------- reference
@@ -355,13 +354,9 @@ def test_init_is_seeded_and_rank_independent(comm):
 
 
 # ---------------------------------------------------------------- save / load
-def _shared_dir(comm, tmp_path):
-    return comm.bcast_obj(str(tmp_path) if comm.rank == 0 else None)
-
-
-def test_save_load_round_trip(comm, xp, tmp_path):
+def test_save_load_round_trip(comm, xp, shared_dir):
     layer = make_layer(xp, E=8, H=4, Hkv=2, kdim=5, vdim=3, dtype=np.float32, seed=9)
-    path = os.path.join(_shared_dir(comm, tmp_path), "mha.h5")
+    path = os.path.join(shared_dir, "mha.h5")
     layer.save(path)
     assert os.path.exists(path)
     assert not [f for f in os.listdir(os.path.dirname(path)) if ".tmp" in f]
@@ -373,10 +368,10 @@ def test_save_load_round_trip(comm, xp, tmp_path):
     comm.barrier()  # nobody removes the directory while others read
 
 
-def test_load_errors_on_every_rank(comm, tmp_path):
+def test_load_errors_on_every_rank(comm, shared_dir):
     import h5py
 
-    d = _shared_dir(comm, tmp_path)
+    d = shared_dir
     with pytest.raises(FileNotFoundError):
         MultiheadAttention.load(os.path.join(d, "missing.h5"))
     path = os.path.join(d, "bad.h5")
@@ -409,13 +404,9 @@ def test_device_arrays_with_fake_cupy(comm, xp, monkeypatch):
     import fake_cupy
     from mpi4py import MPI
 
-    from mpiattn import gpu
     from mpiattn.comm import Comm
 
-    for cache in ("_STREAMS", "_UPLOADERS"):  # keep the fake's streams out of module caches
-        monkeypatch.setattr(gpu, cache, {})
-    monkeypatch.setattr(comm_device, "_SAID", set())
-    cp = fake_cupy.install(monkeypatch)
+    cp = install_fake_cupy(monkeypatch)
     own = Comm(MPI.COMM_WORLD.Dup())  # its device transport dies with the fake
     try:
         layer = make_layer(np, E=8, H=4, Hkv=2, kdim=6, dtype=np.float32)
