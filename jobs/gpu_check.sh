@@ -12,13 +12,13 @@
 # Sections, each with a time limit, in order of priority; a section that no longer fits in
 # the total budget (GPU_CHECK_BUDGET_S, default 270 s) is skipped and reported as such:
 #   1. preflight: GPU, CuPy, MPI, pytest-mpi; install carried wheels from .whl/ if present
-#   2. tests/test_gpu.py on 1 rank (fused kernels vs generic code, transports, upload, binding)
+#   2. tests/gpu/test_gpu.py on 1 rank (fused kernels vs generic code, transports, upload, binding)
 #   3. the whole suite on CuPy arrays (MPIATTN_TEST_BACKEND=cupy), 1 rank
 #   4. the whole suite on CuPy arrays, 2 ranks sharing the GPU, staged transport
 #   5. comm + GPU tests at 2 ranks with MPIATTN_GPU_TRANSPORT=nccl (NCCL refuses two ranks
 #      on one GPU: expect the collective fall-back to staged) and =cuda-aware when the MPI
 #      library says it is CUDA-aware (skipped otherwise, with the evidence)
-#   6. benchmarks/gpu_bench.py: ring attention TFLOP/s vs cupy.matmul and torch -> gpu_bench.json
+#   6. python -m mpiattn.bench.gpu: ring attention TFLOP/s vs cupy.matmul and torch -> gpu_bench.json
 # Output: gpu_check.log (everything), summary.json (one line per section), gpu_bench.json.
 set -uo pipefail
 
@@ -147,7 +147,7 @@ EOF
 fi
 export CHECK_WITH_MPI="--with-mpi"
 if ! "$PY" -c "import pytest_mpi" 2>/dev/null; then
-    say "pytest-mpi is missing (carry it with --fetch-wheels): only tests/test_gpu.py can run"
+    say "pytest-mpi is missing (carry it with --fetch-wheels): only tests/gpu/test_gpu.py can run"
     CHECK_WITH_MPI=""
 fi
 CHECK_MPIEXEC=$(command -v mpiexec || true)
@@ -158,25 +158,25 @@ record preflight ok $((SECONDS - START)) 0
 # -------------------------------------------------------------------- 2-5. tests
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout=150 -rfEs)
 [[ -n $CHECK_WITH_MPI ]] && PYTEST+=("$CHECK_WITH_MPI")
-section "test_gpu, 1 rank" 75 "${PYTEST[@]}" tests/test_gpu.py
+section "test_gpu, 1 rank" 75 "${PYTEST[@]}" tests/gpu/test_gpu.py
 if [[ -z $CHECK_WITH_MPI ]]; then
     say "skipping the whole-suite sections (no pytest-mpi)"
 else
     section "CuPy suite, 1 rank" 80 "${PYTEST[@]}" --maxfail=20 tests
     # the attention tests again with the fused elementwise kernels switched in (opt-in until this passes)
     section "attention tests, fused kernels, 1 rank" 40 \
-        env MPIATTN_FUSED_KERNELS=1 "${PYTEST[@]}" --maxfail=10 tests/test_attention.py tests/test_layer.py
+        env MPIATTN_FUSED_KERNELS=1 "${PYTEST[@]}" --maxfail=10 tests/attention/test_attention.py tests/layer/test_layer.py
     if [[ -n $CHECK_MPIEXEC ]]; then
         section "CuPy suite, 2 ranks, staged" 80 \
             env MPIATTN_GPU_TRANSPORT=staged "$0" --two-ranks --maxfail=20 tests
         section "comm+gpu tests, 2 ranks, nccl" 40 \
-            env MPIATTN_GPU_TRANSPORT=nccl "$0" --two-ranks tests/test_comm.py tests/test_gpu.py
+            env MPIATTN_GPU_TRANSPORT=nccl "$0" --two-ranks tests/core/test_comm.py tests/gpu/test_gpu.py
         AUTO=$(MPIATTN_GPU_TRANSPORT=auto "$PY" -c \
             "from mpiattn import gpu; print(*gpu.decide_transport(notify=False), sep=' | ')" 2>&1 | tail -n 1)
         say "auto transport decision: $AUTO"
         if [[ $AUTO == cuda-aware* ]]; then
             section "comm+gpu+attention tests, 2 ranks, cuda-aware" 60 env MPIATTN_GPU_TRANSPORT=cuda-aware \
-                "$0" --two-ranks tests/test_comm.py tests/test_gpu.py tests/test_attention.py
+                "$0" --two-ranks tests/core/test_comm.py tests/gpu/test_gpu.py tests/attention/test_attention.py
         else
             say "== cuda-aware: SKIPPED (this MPI is not CUDA-aware by its own account: $AUTO)"
             record "cuda-aware, 2 ranks" "skipped: not detected" 0 0
@@ -188,5 +188,5 @@ fi
 BENCH_LIMIT=$(($(left) - 10))
 ((BENCH_LIMIT > 150)) && BENCH_LIMIT=150
 section "benchmark (1 rank)" "$BENCH_LIMIT" \
-    "$PY" benchmarks/gpu_bench.py --out "$OUTDIR" --budget-s $((BENCH_LIMIT - 15)) "${BENCH_ARGS[@]}"
+    "$PY" -m mpiattn.bench.gpu --out "$OUTDIR" --budget-s $((BENCH_LIMIT - 15)) "${BENCH_ARGS[@]}"
 finish 0
