@@ -78,14 +78,21 @@ def _summary(pos: np.ndarray, seg: np.ndarray | None) -> _Side:
     run = pmax - pmin + 1 == pos.size
     if seg is None:
         return _Side(pmin, pmax, run, None, run)
+    rising = pos.size < 2 or bool(np.all(pos[1:] > pos[:-1]))
     ids, ids_run = [], True
     for row in seg:
-        order = np.argsort(row, kind="stable")
-        sid, p = row[order], pos[order]
+        if row.size < 2 or bool(np.all(row[1:] >= row[:-1])):  # the usual case: sorted already
+            sid, p = row, pos
+        else:
+            order = np.argsort(row, kind="stable")
+            sid, p = row[order], pos[order]
         starts = np.flatnonzero(np.concatenate(([True], sid[1:] != sid[:-1])))
-        mn, mx = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
-        counts = np.diff(np.append(starts, sid.size))
-        ids_run = ids_run and bool(np.all(mx - mn + 1 == counts))
+        ends = np.append(starts[1:], sid.size)
+        if rising and p is pos:  # positions increase within every id: the hull ends are the run ends
+            mn, mx = p[starts], p[ends - 1]
+        else:
+            mn, mx = np.minimum.reduceat(p, starts), np.maximum.reduceat(p, starts)
+        ids_run = ids_run and bool(np.all(mx - mn + 1 == ends - starts))
         ids.append((sid[starts], mn, mx))
     return _Side(pmin, pmax, run, ids, ids_run)
 
@@ -111,6 +118,10 @@ class BlockMask:
         Document ids of the queries and of the block's keys (host copies;
         both or neither): query ``i`` sees key ``j`` only when the ids are
         equal in the same batch entry.
+    q_summaries : dict, optional
+        A cache of the query side's tile summaries, shared by the masks of
+        one call that have the same ``q_pos`` and ``q_seg`` (every key block
+        of a ring); private to this mask when None.
     """
 
     q_pos: np.ndarray
@@ -120,6 +131,7 @@ class BlockMask:
     window: tuple | None = None
     q_seg: np.ndarray | None = None
     k_seg: np.ndarray | None = None
+    q_summaries: dict | None = None
 
     def __post_init__(self) -> None:
         if (self.q_seg is None) != (self.k_seg is None):
@@ -159,11 +171,11 @@ class BlockMask:
 
     # ---------------------------------------------------------- classification
     def _side(self, name: str, a: int, b: int) -> _Side:
-        key = (name, a, b)
-        got = self._sides.get(key)
+        cache = self._sides if name == "k" or self.q_summaries is None else self.q_summaries
+        got = cache.get((name, a, b))
         if got is None:
             pos, seg = (self.q_pos, self.q_seg) if name == "q" else (self.k_pos, self.k_seg)
-            got = self._sides[key] = _summary(pos[a:b], None if seg is None else seg[:, a:b])
+            got = cache[(name, a, b)] = _summary(pos[a:b], None if seg is None else seg[:, a:b])
         return got
 
     def _meets(self, lo: Any, hi: Any) -> Any:
@@ -221,12 +233,15 @@ class BlockMask:
         key = (i0, i1, j0, j1)
         if self._pairs is not None and self._pairs[0] == key:
             return self._pairs[1]
-        d = self.k_pos[None, j0:j1] - self.q_pos[i0:i1, None]  # j - i
-        ok = np.ones(d.shape, dtype=bool)
+        q, k = self.q_pos[i0:i1, None], self.k_pos[None, j0:j1]
+        ok = None  # visible iff q + lo <= k <= q + hi
         if self._lo > -math.inf:
-            ok &= d >= self._lo
+            ok = k >= q + int(self._lo)
         if self._hi < math.inf:
-            ok &= d <= self._hi
+            hi = k <= q + int(self._hi)
+            ok = hi if ok is None else np.logical_and(ok, hi, out=ok)
+        if ok is None:
+            ok = np.ones((q.shape[0], k.shape[1]), dtype=bool)
         ok = ok[None]
         if self.q_seg is not None:
             ok = ok & (self.q_seg[:, i0:i1, None] == self.k_seg[:, None, j0:j1])
@@ -255,12 +270,11 @@ class BlockMask:
         vis = self.visibility(i0, i1, j0, j1) if vis is None else vis
         out = self.padding(xp, j0, j1, dtype)
         if vis == "some":
-            hidden = ~self.visible_pairs(i0, i1, j0, j1)
+            ok = self.visible_pairs(i0, i1, j0, j1)
             if group > 1:
-                hidden = np.repeat(hidden, group, axis=1)
-            pos = np.zeros(hidden.shape, dtype=dtype)
-            pos[hidden] = -np.inf
-            pos = backend.to_device(pos, xp)[:, None]
+                ok = np.repeat(ok, group, axis=1)
+            dt = np.dtype(dtype)
+            pos = backend.to_device(np.where(ok, dt.type(0), dt.type(-np.inf)), xp)[:, None]
             out = pos if out is None else out + pos
         return out
 

@@ -17,6 +17,7 @@ Rules (global positions, top-left aligned like ``causal``)::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -121,10 +122,27 @@ def block_mask(pb: Any, q_pos: np.ndarray, k_pos: np.ndarray, pad: Any) -> kerne
     pad : (B, k) bool array or None
         The block's key padding (on the keys' device).
     """
-    q_seg = k_seg = None
-    if pb.seg_q is not None:
-        q_seg, k_seg = pb.seg_q[:, q_pos], pb.seg_k[:, k_pos]
-    return kernels.BlockMask(q_pos, k_pos, pb.causal, pad, pb.window, q_seg, k_seg)
+    q_seg, summaries = _query_side(pb, q_pos)
+    k_seg = None if pb.seg_k is None else pb.seg_k[:, k_pos]
+    return kernels.BlockMask(q_pos, k_pos, pb.causal, pad, pb.window, q_seg, k_seg, summaries)
+
+
+#: The query side of the last :func:`block_mask`: (weak refs to q_pos and the
+#: global ids, the queries' ids, their tile summaries). The blocks of one call
+#: share them (the same q_pos object); weak references, so nothing is kept alive.
+_LAST_QUERIES: list = [None]
+
+
+def _query_side(pb: Any, q_pos: np.ndarray) -> tuple[np.ndarray | None, dict]:
+    last = _LAST_QUERIES[0]
+    if last is not None and last[0]() is q_pos and (last[1] is None) == (pb.seg_q is None) \
+            and (last[1] is None or last[1]() is pb.seg_q):
+        return last[2], last[3]
+    q_seg = None if pb.seg_q is None else pb.seg_q[:, q_pos]
+    summaries: dict = {}
+    _LAST_QUERIES[0] = (weakref.ref(q_pos), None if pb.seg_q is None else weakref.ref(pb.seg_q),
+                        q_seg, summaries)
+    return q_seg, summaries
 
 
 def dense_visible(pb: Any, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray | None:

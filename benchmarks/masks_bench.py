@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Benchmarks of issue 12: sliding windows, packed documents and balanced layouts.
+
+Prepared, not yet run on a quiet machine (no numbers are committed). Two parts:
+
+``single`` (one process, P = 1)
+    N = 32k, H = 1, E = 64, float32, causal, native engine, forward (and with
+    ``--backward`` the backward too). Times full causal attention, the window
+    ``(1024, 0)`` and packed documents of mean length 2048, each the median of
+    ``--repeats`` after one warm-up call, and prints the targets::
+
+        window time / causal time                          <= 0.15
+        documents time / (visible fraction * causal time)  <= 2.5
+
+    where the visible fraction is visible pairs (causal documents) / visible
+    pairs (causal).
+``balance`` (under ``mpiexec -n P``, P = 2 for the issue)
+    Causal packed documents through the ring with the ``balanced``
+    (:func:`mpiattn.balance`), ``contiguous`` and ``zigzag`` layouts. The
+    per-rank *compute* time is the time spent inside the native kernel calls
+    (:func:`mpiattn.kernels.native.forward_block`, wrapped with a timer), so
+    waiting for a neighbour does not count; printed per rank with the spread
+    ``max / min - 1`` (target for ``balanced``: within 10 %), the visible pairs
+    per rank and the computed tiles per rank.
+
+Usage (from the repository root)::
+
+    OMP_NUM_THREADS=1 python benchmarks/masks_bench.py single [--n 32768] [--json out.jsonl]
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/masks_bench.py balance [--n 32768]
+    python benchmarks/masks_bench.py single --n 2048 --repeats 1     # a smoke test, seconds
+
+Every record is also written as one JSON object per line with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import mpiattn
+from mpiattn import balancing
+from mpiattn.comm import get_comm
+from mpiattn.kernels import native
+
+
+def documents(n: int, mean: int, seed: int) -> np.ndarray:
+    """(1, n) ids of packed documents with geometric lengths of the given mean (the same on every rank)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.geometric(1.0 / mean, size=4 * (n // mean + 2))
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    cu = np.unique(np.minimum(cu[: np.searchsorted(cu, n) + 1], n))
+    return mpiattn.segment_ids_from_cu_seqlens(cu)[None]
+
+
+class KernelClock:
+    """Time and tiles inside the native kernels of this rank (compute only, no waiting)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.tiles = 0.0, 0
+        self._block, self._tile = native.forward_block, native._tile_generic
+
+    def __enter__(self) -> "KernelClock":
+        def block(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return self._block(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        def tile(*a, **k):
+            self.tiles += 1
+            return self._tile(*a, **k)
+
+        native.forward_block, native._tile_generic = block, tile
+        return self
+
+    def __exit__(self, *exc) -> None:
+        native.forward_block, native._tile_generic = self._block, self._tile
+
+
+def _inputs(n: int, layout, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    x = [rng.standard_normal((1, 1, n, 64), dtype=np.float32) for _ in range(4)]
+    return tuple(mpiattn.shard(a, layout=layout) for a in x)
+
+
+def _median_time(c, fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        c.barrier()
+        t0 = time.perf_counter()
+        fn()
+        c.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def single(args: argparse.Namespace, emit) -> None:
+    c = get_comm()
+    if c.size != 1:
+        raise SystemExit("the 'single' part runs on one process (P = 1)")
+    n = args.n
+    q, k, v, do = _inputs(n, "contiguous")
+    seg = documents(n, args.mean_doc, seed=1)
+    cases = {"causal": {}, f"window {args.window[0]},{args.window[1]}": dict(window=tuple(args.window)),
+             f"documents mean {args.mean_doc}": dict(segment_ids=seg)}
+    base = dict(causal=True, engine="native", strategy="ring", block_size=args.block)
+    results = {}
+    for name, extra in cases.items():
+        kw = {**base, **extra}
+
+        def step():
+            out, lse = mpiattn.attention(q, k, v, **kw)
+            if args.backward:
+                mpiattn.attention_backward(do, q, k, v, out, lse, **kw)
+
+        with KernelClock() as clock:
+            mpiattn.attention(q, k, v, **kw)
+        t = _median_time(c, step, args.repeats)
+        pairs = int(balancing.row_work(n, causal=True, window=extra.get("window"),
+                                       segment_ids=extra.get("segment_ids")).sum())
+        results[name] = (t, pairs)
+        emit({"part": "single", "case": name, "N": n, "time_s": t, "visible_pairs": pairs,
+              "tiles": clock.tiles, "backward": args.backward, "block": args.block})
+    t_c, p_c = results["causal"]
+    names = list(cases)
+    t_w, _ = results[names[1]]
+    t_d, p_d = results[names[2]]
+    frac = p_d / p_c
+    emit({"part": "single", "target": "window / causal <= 0.15", "value": t_w / t_c,
+          "met": t_w / t_c <= 0.15})
+    emit({"part": "single", "target": "documents / (visible fraction * causal) <= 2.5",
+          "visible_fraction": frac, "value": t_d / (frac * t_c), "met": t_d / (frac * t_c) <= 2.5})
+
+
+def balance_part(args: argparse.Namespace, emit) -> None:
+    c = get_comm()
+    n, P = args.n, c.size
+    seg = documents(n, args.mean_doc, seed=1)
+    layouts = {"balanced": mpiattn.balance(n, P, causal=True, segment_ids=seg),
+               "contiguous": "contiguous", "zigzag": "zigzag"}
+    for name, layout in layouts.items():
+        q, k, v, _ = _inputs(n, layout)
+        ids = mpiattn.shard(seg, axis=-1, layout=layout)
+        kw = dict(causal=True, segment_ids=ids, layout=layout, engine="native", strategy="ring",
+                  block_size=args.block)
+        mpiattn.attention(q, k, v, **kw)  # warm-up
+        per_call = []
+        tiles = 0
+        for _ in range(args.repeats):
+            c.barrier()
+            with KernelClock() as clock:
+                mpiattn.attention(q, k, v, **kw)
+            per_call.append(clock.seconds)
+            tiles = clock.tiles
+        mine = statistics.median(per_call)
+        every = c.allgather_obj((mine, tiles))
+        work = balancing.rank_work(layout, n, P, causal=True, segment_ids=seg)
+        secs = [e[0] for e in every]
+        emit({"part": "balance", "layout": name, "N": n, "P": P, "compute_s": secs,
+              "spread": max(secs) / max(min(secs), 1e-12) - 1, "tiles": [e[1] for e in every],
+              "visible_pairs": work.tolist(), "pairs_max_over_mean": float(work.max() / work.mean()),
+              "ranges": None if isinstance(layout, str) else [len(r) for r in layout.ranges]})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=("single", "balance"))
+    ap.add_argument("--n", type=int, default=32768, help="sequence length (default 32768)")
+    ap.add_argument("--mean-doc", type=int, default=2048, help="mean document length (default 2048)")
+    ap.add_argument("--window", type=int, nargs=2, default=(1024, 0), metavar=("LEFT", "RIGHT"))
+    ap.add_argument("--block", type=int, default=512, help="ring block and tile rows (default 512)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per case (median; default 3)")
+    ap.add_argument("--backward", action="store_true", help="single: time forward + backward")
+    ap.add_argument("--json", default=None, help="append the records to this JSON-lines file")
+    args = ap.parse_args(argv)
+    c = get_comm()
+    sink = open(args.json, "a") if args.json and c.rank == 0 else None
+
+    def emit(record: dict) -> None:
+        if c.rank != 0:
+            return
+        print(json.dumps(record), flush=True)
+        if sink is not None:
+            sink.write(json.dumps(record) + "\n")
+
+    try:
+        (single if args.part == "single" else balance_part)(args, emit)
+    finally:
+        if sink is not None:
+            sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
