@@ -1,12 +1,13 @@
-"""PNG plots of ``mpiattn bench`` results (time, throughput and memory against N and P).
+"""PNG plots of ``mpiattn bench`` results (time, throughput, fraction of ideal, memory; against N and P).
 
 Usage::
 
-    python -m mpiattn.bench_plot RESULTS.jsonl [MORE.jsonl ...] OUTDIR
+    python -m mpiattn.bench.plot RESULTS.jsonl [MORE.jsonl ...] OUTDIR
 
 or ``python -m mpiattn bench ... --plot OUTDIR``. Needs matplotlib (the
 ``bench`` extra); it is imported here only, when a plot is drawn. When a file
-holds several runs, the last record of each case wins.
+holds several runs, the last record of each case wins. Engines are drawn
+side by side: one line per ``impl/engine``, rank count and pass.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from .derive import impl_label
+from .tasks import SINGLE_PROCESS
 
 __all__ = ["plot_all"]
 
@@ -46,6 +50,10 @@ def _label(impl: str, P: int, pass_: str) -> str:
     return f"{impl} P={P} {'fwd+bwd' if pass_ == 'fwdbwd' else 'fwd'}"
 
 
+def _line_key(r: dict) -> tuple:
+    return (impl_label(r), r["P"], r["pass"])
+
+
 def _save(fig: Any, outdir: str, name: str) -> str:
     path = os.path.join(outdir, name)
     fig.tight_layout()
@@ -66,26 +74,45 @@ def _shape_groups(records: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
+def _points(rs: list[dict], field: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+    """(N, value) of the records that have ``field``."""
+    have = [r for r in rs if r.get(field) is not None]
+    return [r["N"] for r in have], [scale * r[field] for r in have]
+
+
 def _plot_time_and_rate(plt: Any, recs: list[dict], outdir: str, tag: str) -> list[str]:
-    fig, (ax_t, ax_g) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for (impl, P, pass_), rs in _series(recs, lambda r: (r["impl"], r["P"], r["pass"])).items():
-        Ns = [r["N"] for r in rs]
-        line, = ax_t.plot(Ns, [r["time_s"] for r in rs], _STYLE.get(pass_, "-"), marker="o",
-                          label=_label(impl, P, pass_))
-        ax_g.plot(Ns, [100 * r.get("frac_gemm_square", float("nan")) for r in rs], _STYLE.get(pass_, "-"),
-                  marker="o", color=line.get_color(), label=_label(impl, P, pass_))
-    ax_t.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="time (s, median)",
-             title="time " + _title(recs[0]))
-    ax_t.set_xscale("log", base=2)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    ax_t, ax_g, ax_i = axes
+    panels = ((ax_t, "time_s", 1.0), (ax_g, "frac_gemm_square", 100.0), (ax_i, "frac_ideal", 100.0))
+    for (impl, P, pass_), rs in _series(recs, _line_key).items():
+        color = None
+        for ax, field, scale in panels:
+            Ns, ys = _points(rs, field, scale)
+            if Ns:
+                line, = ax.plot(Ns, ys, _STYLE.get(pass_, "-"), marker="o", color=color,
+                                label=_label(impl, P, pass_))
+                color = line.get_color()
+    ax_t.set(ylabel="time (s, median)", title="time " + _title(recs[0]))
+    ax_t.set_yscale("log")
     ax_g.axhline(60, color="gray", lw=0.8, ls=":")
     ax_g.axhline(50, color="gray", lw=0.8, ls=":")
-    ax_g.set(xlabel="sequence length N", ylabel="% of square-GEMM GFLOP/s per rank",
+    ax_g.set(ylabel="% of square-GEMM GFLOP/s per rank",
              title="throughput vs the GEMM ceiling (dotted: 60% / 50% targets)")
-    ax_g.set_xscale("log", base=2)
-    ax_g.set_ylim(bottom=0)
-    for ax in (ax_t, ax_g):
+    ax_i.axhline(100, color="gray", lw=0.8, ls=":")
+    ax_i.axhline(85, color="gray", lw=0.8, ls=":")
+    ax_i.set(ylabel="% of ideal: T_best / (P T_P)",
+             title="fraction of ideal (T_best: fastest 1-process kernel, same run)")
+    for ax, field, _ in panels:
+        ax.set_xlabel("sequence length N")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"no {field} in these records", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+    ax_g.set_ylim(bottom=0)
+    ax_i.set_ylim(bottom=0)
     return [_save(fig, outdir, f"time_vs_n{tag}.png")]
 
 
@@ -94,14 +121,14 @@ def _plot_memory(plt: Any, recs: list[dict], outdir: str, tag: str) -> list[str]
     if not mem:
         return []
     fig, (ax_p, ax_a) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for (impl, P, pass_), rs in _series(mem, lambda r: (r["impl"], r["P"], r["pass"])).items():
+    for (impl, P, pass_), rs in _series(mem, _line_key).items():
         Ns = [r["N"] for r in rs]
         line, = ax_p.plot(Ns, [r["peak_bytes"] / MiB for r in rs], _STYLE.get(pass_, "-"), marker="o",
                           label=_label(impl, P, pass_))
         ax_a.plot(Ns, [max(r["peak_bytes"] - r.get("baseline_bytes", 0), 1) / MiB for r in rs],
                   _STYLE.get(pass_, "-"), marker="o", color=line.get_color(), label=_label(impl, P, pass_))
     Ns = sorted({r["N"] for r in mem})
-    Ps = sorted({r["P"] for r in mem if r["impl"] not in ("reference", "torch")})
+    Ps = sorted({r["P"] for r in mem if r["impl"] not in SINGLE_PROCESS})
     words = (8 if mem[0]["dtype"] == "float64" else 4) * mem[0]["B"] * mem[0]["H"]
     for P in Ps:
         ax_a.plot(Ns, [words * N * N / P / MiB for N in Ns], ":", color="gray", lw=0.9)
@@ -126,7 +153,7 @@ def _plot_scaling(plt: Any, records: list[dict], outdir: str) -> list[str]:
     fig, (ax_s, ax_w) = plt.subplots(1, 2, figsize=(11, 4.2))
     for kind, ax in (("strong", ax_s), ("weak", ax_w)):
         rs = [r for r in sc if r["kind"] == kind]
-        for key, g in _series(rs, lambda r: (r["impl"], r["pass"], r["N"] if kind == "strong" else r["N_1"],
+        for key, g in _series(rs, lambda r: (impl_label(r), r["pass"], r["N"] if kind == "strong" else r["N_1"],
                                              r["causal"])).items():
             g = sorted(g, key=lambda r: r["P"])
             Ps = [1] + [r["P"] for r in g]
@@ -194,12 +221,13 @@ def plot_all(records: list[dict], outdir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
-        return 2
-    from .bench_report import load
+    """``python -m mpiattn.bench.plot RESULTS.jsonl [...] OUTDIR``: draw the plots of saved results."""
+    from .report import load
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) < 2:
+        print("usage: python -m mpiattn.bench.plot RESULTS.jsonl [MORE.jsonl ...] OUTDIR", file=sys.stderr)
+        return 2
     for path in plot_all(load(argv[:-1]), argv[-1]):
         print(f"wrote {path}")
     return 0

@@ -1,0 +1,116 @@
+"""The benchmark application end to end: CLI, worker jobs, report, plots, GPU suite (tiny sizes).
+
+Each test here launches processes itself, so it runs in the single-process
+session only (``serial_only``).
+"""
+
+import ast
+import glob
+import json
+import os
+import sys
+
+from helpers import mpiexec, run_group
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, extra.pop("PYTHONPATH", ""), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _py(*args, timeout=120, **env):
+    return run_group([sys.executable, *args], timeout, env=_env(**env), cwd=REPO)
+
+
+def test_cli_launches_workers_and_saved_results_report_and_plot(serial_only, tmp_path):
+    out = tmp_path / "r.jsonl"
+    rc, stdout, stderr = _py("-m", "mpiattn", "bench", "-n", "256", "--ranks", "1", "--peers", "gemm,dense",
+                             "--products", "nn", "--product-n", "128", "--repeat", "1", "--warmup", "0",
+                             "--gemm-size", "64", "--json", str(out), "--quiet")
+    assert rc == 0, stdout + stderr
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert any(r["workload"] == "env" and "blas" in r for r in recs)
+    ring = [r for r in recs if r["workload"] == "attention" and r["impl"] == "ring"]
+    assert {r["pass"] for r in ring} == {"fwd", "fwdbwd"} and all(r["fresh"] and r["status"] == "ok" for r in ring)
+    assert {r["impl"] for r in recs if r["workload"] == "attention"} == {"ring", "dense"}
+    assert not any("frac_ideal" in r for r in recs)               # saved as measured, derived on loading
+    from mpiattn.bench import report
+    loaded = [r for r in report.load([str(out)]) if r["workload"] == "attention"]
+    assert len(loaded) == 4 and all(r["frac_ideal"] > 0 and "frac_gemm_square" in r for r in loaded)
+    assert any(r["workload"] == "product" and r["status"] == "ok" for r in recs)
+    assert "GEMM ceilings" in stdout and "dense" in stdout
+
+    rc, table, err = _py("-m", "mpiattn.bench.report", str(out))
+    assert rc == 0, err
+    assert "attention  float32" in table and "%idl" in table and "products" in table
+    rc, text, err = _py("-m", "mpiattn.bench.plot", str(out), str(tmp_path / "plots"))
+    assert rc == 0, err
+    assert "time_vs_n.png" in text and os.path.getsize(tmp_path / "plots" / "time_vs_n.png") > 10000
+
+
+def test_help_and_listing(serial_only):
+    rc, text, err = _py("-m", "mpiattn", "bench", "--help")
+    assert rc == 0, err
+    words = " ".join(text.split())                                   # help lines wrap with the terminal
+    assert "--engines" in words and "dense (materialising, 1 process)" in words
+    rc, text, err = _py("-m", "mpiattn.bench", "--suite", "engines", "--list")
+    assert rc == 0, err
+    lines = text.splitlines()
+    assert "ring/native N=16384 P=1 [engines]" in lines[0] and "ring/torch N=16384 P=1 [engines]" in lines[1]
+    rc, text, err = _py("-m", "mpiattn", "bench", "--peers", "reference", "--list")   # the old name still reads
+    assert rc == 0 and "dense N=4096 P=1 [quick]" in text, err
+    rc, text, err = _py("-m", "mpiattn", "bench", "--engines", "fast", "--list")
+    assert rc == 2 and "'fast' is not one of auto, native, torch" in err
+
+
+def test_importing_the_bench_loads_no_optional_library(serial_only):
+    code = ("import sys; before = set(sys.modules); import mpiattn.bench, mpiattn.bench.app, mpiattn.bench.report; "
+            "print(sorted(m for m in ('matplotlib', 'psutil', 'torch', 'cupy') if m in set(sys.modules) - before))")
+    rc, text, err = _py("-c", code)
+    assert rc == 0, err
+    assert text.strip() == "[]"
+
+
+def test_in_job_mode_under_mpiexec(serial_only):
+    rc, text, err = run_group([mpiexec(), "-n", "2", sys.executable, "-m", "mpiattn", "bench", "-n", "256",
+                               "--ranks", "2", "--peers", "none", "--products", "none", "--repeat", "1",
+                               "--warmup", "0", "--passes", "fwd", "--quiet"], 180, env=_env(), cwd=REPO)
+    assert rc == 0, text + err
+    rows = [ln.split() for ln in text.splitlines() if ln.startswith("ring")]
+    assert len(rows) == 1 and rows[0][1:4] == ["fwd", "2", "256"]
+
+
+def test_gpu_suite_on_the_fake_cupy(serial_only, tmp_path):
+    """The GPU suite's code paths on ``tests/fake_cupy.py`` (what ``jobs/gpu_check.sh --dry-run`` runs)."""
+    rc, text, err = _py("-m", "mpiattn.bench.gpu", "--out", str(tmp_path), "--sizes", "256,512", "--dims", "16",
+                        "--dtypes", "float32", "--block", "64", "--no-torch", "--budget-s", "60",
+                        "--engines", "default,native", PYTHONPATH=os.path.join(REPO, "tests", "fake_site"))
+    assert rc == 0, text + err
+    doc = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert doc["meta"]["gpu"].startswith("fake GPU") and doc["meta"]["torch_compared"] is False
+    results = doc["results"]
+    assert [(r["N"], r["engine"]) for r in results] == [(256, None), (256, "native"), (512, None), (512, "native")]
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 and r["gemm_tflops"] > 0
+    assert "done in" in text
+
+
+def test_only_the_entry_points_print():
+    """The application prints; workloads, harness, launcher and report hand back records and text."""
+    printing = set()
+    for path in glob.glob(os.path.join(REPO, "mpiattn", "bench", "*.py")):
+        tree = ast.parse(open(path).read())
+        for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
+            body = fn.body if isinstance(fn, ast.FunctionDef) else [n for n in fn.body if not isinstance(
+                n, (ast.FunctionDef, ast.ClassDef))]
+            calls = [c for stmt in body for c in ast.walk(stmt) if isinstance(c, ast.Call)
+                     and getattr(c.func, "id", None) == "print"]
+            if calls:
+                printing.add(f"{os.path.basename(path)}:{getattr(fn, 'name', '<module>')}")
+    assert printing == {"app.py:run", "app.py:_print_list", "app.py:log", "report.py:main", "plot.py:main",
+                        "gpu.py:main"}
