@@ -450,3 +450,52 @@ def test_multihead_attention_takes_the_mask_keywords(comm, xp):
     np.testing.assert_allclose(host(mpiattn.gather(y, layout=lay, root=None)), want, rtol=1e-10, atol=1e-10)
     dx = layer.backward(xp.ones_like(y))[0]
     assert host(dx).shape == (B, y.shape[1], E) and np.isfinite(host(dx)).all()
+
+
+# ------------------------------------------------------------------ the CuPy path (on a fake device)
+@pytest.mark.parametrize("strategy", STRATS)
+def test_masks_on_a_fake_device(monkeypatch, strategy):
+    """Window + documents + padding with "device" arrays (tests/fake_cupy.py) equal the dense reference.
+
+    Ids are given as NumPy for the queries and on the device for the keys; the
+    explicit layouts differ between queries and keys (the materialized strategy
+    then moves rows between layouts on the device).
+    """
+    from mpi4py import MPI
+
+    import fake_cupy
+    from helpers import install_fake_cupy
+    from mpiattn.comm import Comm
+
+    fake = install_fake_cupy(monkeypatch)
+    c = Comm(MPI.COMM_WORLD.Dup())
+    try:
+        fake_cupy._state.bus_id = f"0000:{c.rank:02x}:00.0"
+        monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged")
+        P = c.size
+        B, H, Hkv, N = 2, 2 * P, P, 17
+        Q, K, V, dO = case(21, B, H, Hkv, N)
+        seg = documents(B, N, 8)
+        pad = np.random.default_rng(3).random((B, N)) < 0.2
+        lay, kl = mpiattn.balance(N, P, causal=True, segment_ids=seg), shuffled_layout(N, P, seed=5)
+        rows_q, rows_k = (mpiattn.partition(N, c.mpi, layout=x) for x in (lay, kl))
+        dev = lambda x, r: fake.asarray(x[..., r, :])  # noqa: E731
+        q, k, v, do = dev(Q, rows_q), dev(K, rows_k), dev(V, rows_k), dev(dO, rows_q)
+        kw = dict(causal=True, window=(5, 1), layout=lay, kv_layout=kl, strategy=strategy, block_size=3,
+                  segment_ids=seg[:, rows_q], kv_segment_ids=fake.asarray(seg[:, rows_k]),
+                  key_padding_mask=fake.asarray(pad[:, rows_k]), engine="native")
+        out, lse = mpiattn.attention(q, k, v, c, **kw)
+        grads = mpiattn.attention_backward(do, q, k, v, out, lse, c, **kw)
+        ref = reference(Q, K, V, dO, visible_matrix(B, N, N, True, (5, 1), seg, seg, pad))
+        got = [host(out), host(lse)] + [host(g) for g in grads]
+        want = [ref[0][..., rows_q, :], ref[1][..., rows_q], ref[2][..., rows_q, :],
+                ref[3][..., rows_k, :], ref[4][..., rows_k, :]]
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            fin = np.isfinite(w)
+            np.testing.assert_array_equal(np.isfinite(g), fin, err_msg=name)
+            np.testing.assert_allclose(g[fin], w[fin], rtol=1e-10, atol=1e-10, err_msg=name)
+    finally:
+        if c.device_transport is not None:
+            c.device_transport.close()
+        c.mpi.Free()
+        fake_cupy.shutdown()
