@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import get_comm
-from ..layouts import all_segments, check_layout
+from ..layouts import all_segments, check_layout, layout_key
 from .atomic import on_rank0
 
 __all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute",
@@ -320,11 +320,18 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     c = get_comm(comm)
     path = os.path.abspath(path)
     kv_layout = layout if kv_layout is None else kv_layout
-    with c.collective_errors():
+
+    def local() -> tuple:
         check_layout(layout)
         check_layout(kv_layout)
         if dtype is not None:
             backend.check_dtype(dtype, "the compute dtype")
+        return layout_key(layout), layout_key(kv_layout)
+
+    keys = c.allgather_checked(local)
+    with c.collective_errors():  # the same gathered keys everywhere: the same verdict
+        if any(k != keys[0] for k in keys):
+            raise ValueError("read_input: the layouts differ between ranks")
     meta = on_rank0(c, lambda: _read_meta(path))
     shapes = meta["shapes"]
     compute = np.dtype(dtype) if dtype is not None else np.result_type(

@@ -202,3 +202,19 @@ def test_read_input_with_ids_and_explicit_layouts(comm, shared_dir):
     shapes, ids = reading.read_whole(path, "segment_ids", comm)
     np.testing.assert_array_equal(ids, seg)
     assert shapes["k"][2] == M
+
+
+@pytest.mark.mpi(min_size=2)
+def test_read_input_refuses_layouts_that_differ_between_ranks(comm, shared_dir):
+    import mpiattn
+
+    path = f"{shared_dir}/lay.h5"
+    N = 4 * comm.size
+    if comm.rank == 0:
+        with h5py.File(path, "w") as f:
+            for name in ("q", "k", "v"):
+                f[name] = np.ones((1, 1, N, 2))
+    comm.barrier()
+    mine = mpiattn.balance(N, comm.size, causal=comm.rank == 0)  # zigzag-like on rank 0 only
+    with pytest.raises(ValueError, match="layouts differ between ranks"):
+        reading.read_input(path, comm, layout=mine)
