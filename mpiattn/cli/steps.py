@@ -22,8 +22,9 @@ from ..backend import to_host
 from ..balancing import balance
 from ..comm.core import get_comm
 from ..sharding import gather
+from . import signals
 from .check import exact_attention, exact_nbytes
-from .common import CHECK_TOL, Console, agreed, local_errors
+from .common import CHECK_TOL, Console, UsageError, agreed, local_errors
 
 
 
@@ -99,6 +100,12 @@ class Settings:
         return choose_strategy(inp.n, inp.m, H, Hkv, E, Ev, P, self.block_size or DEFAULT_BLOCK)
 
 
+#: What a phase of :class:`Timer` is doing, for the message when a signal ends the run.
+_DOING = {"read": "while reading the input", "forward": "during the forward pass",
+          "backward": "during the backward pass", "write": "while writing the output",
+          "check": "during the float64 check", "generate": "while generating the data"}
+
+
 class Timer:
     """Wall-clock phases delimited by barriers (so they cover the slowest rank)."""
 
@@ -107,6 +114,7 @@ class Timer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        signals.set_phase(_DOING.get(name, f"during {name}"))
         self.c.barrier()
         t0 = time.perf_counter()
         yield  # on an error (raised alike on every rank) the closing barrier is skipped everywhere
@@ -126,6 +134,8 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
         move = gpu.upload  # host slab -> device through a pinned buffer
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
+    if st.engine == "auto" and "torch" not in sys.modules and importlib.util.find_spec("torch"):
+        import torch  # noqa: F401 - the command line lets auto use torch's kernels when installed
     kw = dict(causal=st.causal, scale=st.scale, key_padding_mask=mask, layout=st.layout,
               strategy=st.strategy, block_size=st.block_size, engine=st.engine, window=st.window,
               segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids, kv_layout=st.kv_layout,
@@ -231,10 +241,50 @@ def _window_text(window: tuple) -> str:
     return ",".join("none" if w is None else str(w) for w in window)
 
 
-def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer) -> dict:
+def prepare_output(c: Any, con: Console, output: str, force: bool, nbytes: int | None = None) -> None:
+    """Before any work: the output can be written (and fits), stale temporaries are gone.
+
+    Removes the temporary files that dead writers left in the output's
+    directory (never a live writer's) and says so.
+    """
+    with agreed():
+        io.check_output(output, c, force=force, nbytes=nbytes)
+        directory = os.path.dirname(os.path.abspath(output))
+        stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory))
+    for path, size in stale.removed:
+        con.say(f"removed {path} ({size / 2**20:.1f} MiB), left by an mpiattn writer that died")
+
+
+def output_bytes(inp: Any, backward: bool) -> int:
+    """Bytes of data in the results of a run on ``inp`` (out, lse, with ``backward`` the gradients)."""
+    B, H, _, E = inp.q.shape
+    Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
+    item = inp.q.dtype.itemsize
+    n, m = inp.n, inp.m
+    words = B * H * n * Ev + (B * H * n * (E + Ev) + B * Hkv * m * (E + Ev) if backward else 0)
+    return int(words * item + B * H * n * (8 if item == 8 else 4))
+
+
+def check_arguments(c: Any, inp: Any, st: Settings) -> None:
+    """Argument errors that show only once the input is known: UsageError (exit 2) on every rank.
+
+    Runs on metadata every rank has (global shapes, the rank count), so
+    every rank raises alike without communicating.
+    """
+    H, Hkv = inp.q.shape[1], inp.k.shape[1]
+    if st.strategy == "ulysses" and (H % c.size or Hkv % c.size):
+        raise UsageError(f"--strategy ulysses needs the query heads H = {H} and key/value heads "
+                         f"Hkv = {Hkv} to be divisible by the number of ranks ({c.size}); use "
+                         "--strategy ring or allgather, or another rank count")
+
+
+def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer,
+                  threads: Any = None) -> dict:
     """Root attributes of the output file (see docs/file-format.md)."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"mpiattn_version": __version__, "ranks": c.size, "hosts": len(set(hosts)),
+            "blas_threads": None if threads is None or threads.count is None else threads.count,
+            "blas_threads_source": None if threads is None else threads.source,
             "strategy": st.strategy, "strategy_used": st.strategy_used(inp, c.size),
             "layout": st.layout_name, "dtype": str(inp.q.dtype), "device": st.xp.__name__,
             "window": None if st.window is None else [-1 if w is None else w for w in st.window],
@@ -275,8 +325,8 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
         if c.rank == 0 and os.path.exists(output) and os.path.exists(path) \
                 and os.path.samefile(path, output):
             raise ValueError(f"the output {output} is the input file")
+    prepare_output(c, con, output, force)  # before any computing
     with agreed():
-        io.check_output(output, c, force=force)  # before any computing
         attrs = io.read_attributes(path, c) or {}
     causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal"))
     window = getattr(args, "window", None)
@@ -296,11 +346,17 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     st = Settings(causal, scale, layout, args.strategy, args.block_size, xp, note,
                   getattr(args, "engine", "auto"), window=window, kv_layout=kv_layout)
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
+    with agreed():
+        check_arguments(c, inp, st)
+        io.check_space(output, output_bytes(inp, backward), c)  # before computing
     hosts = host_names(c)
     _header(con, title, c, hosts, path, inp, st, backward)
+    if getattr(args, "threads_info", None) is not None:
+        con.say(f"  threads  BLAS {args.threads_info.describe()}")
     results = _compute(c, con, inp, st, backward, timer)
     with timer.phase("write"):
-        attrs_out = {**_output_attrs(c, inp, st, hosts, timer), **extra_attrs}
+        threads = getattr(args, "threads_info", None)
+        attrs_out = {**_output_attrs(c, inp, st, hosts, timer, threads), **extra_attrs}
         _write_results(c, output, results, inp, layout, attrs_out, force)
     verdict = None
     if getattr(args, "check", True):

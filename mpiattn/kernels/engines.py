@@ -27,9 +27,12 @@ Engines
     (:mod:`mpiattn.kernels.torch_engine`), imported only when chosen.
 
 Selection (``engine="auto"``, the default): on NumPy arrays of float32 or
-float64, ``torch`` when torch is importable, its kernels pass the signature
-check and it supports the case (:func:`torch_engine.supports`: dtype, head
-dims and the active mask rules: causal and padding); otherwise ``native``.
+float64, ``torch`` when torch is already imported in the process (mpiattn
+never imports a heavy optional library as a side effect: import torch, or
+pass ``engine="torch"``; the command line imports it when installed), its
+kernels pass the signature check and it supports the case
+(:func:`torch_engine.supports`: dtype, head dims and the active mask rules:
+causal and padding); otherwise ``native``.
 float16 stays ``native`` under ``auto`` (torch's CPU backward keeps half
 precision gradients between its key chunks), and so do CuPy arrays until a
 GPU run has verified the torch engine there (``engine="torch"`` asks for it). Every rank reports its local answer and the ranks
@@ -42,6 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 import logging
+import sys
 
 import numpy as np
 
@@ -117,6 +121,8 @@ def local_choice(requested: str, xp_name: str, dtype: Any, E: int, Ev: int,
     """
     if requested == "native":
         return "native", "requested"
+    if requested == "auto" and "torch" not in sys.modules:
+        return "native", "auto: torch is not imported (import torch, or pass engine='torch')"
     why = torch_engine.supports(xp_name, dtype, E, Ev, rules)
     if requested == "torch":
         return ("torch", "requested") if why is None else ("", why)

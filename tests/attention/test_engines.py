@@ -31,8 +31,10 @@ def _chosen(comm, monkeypatch, **kw):
     return pb.engine, pb.engine_reason
 
 
-def test_local_choice_rule():
+def test_local_choice_rule(monkeypatch):
     have = torch_engine.supports("numpy", np.float32, 8, 8, ()) is None
+    if have:
+        import torch  # noqa: F401 - auto uses torch only once the process has imported it
     assert engines.local_choice("native", "numpy", np.float32, 8, 8, ())[0] == "native"
     name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("causal",))
     assert name == ("torch" if have else "native"), why
@@ -42,9 +44,13 @@ def test_local_choice_rule():
     assert name == "native" and "window" in why
     name, why = engines.local_choice("torch", "numpy", np.int32, 8, 8, ())
     assert name == "" and "int32" in why
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ())
+    assert name == "native" and "not imported" in why
 
 
 def test_torch_absent_gives_native(comm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))  # as if imported
     monkeypatch.setattr(torch_ops, "available", lambda: "torch not importable: No module named 'torch'")
     name, why = _chosen(comm, monkeypatch, engine="auto")
     assert name == "native" and "not importable" in why
@@ -57,6 +63,7 @@ def test_one_rank_without_torch_makes_every_rank_native(comm, monkeypatch):
         pytest.skip("needs two ranks to disagree")
     if torch_engine.supports("numpy", np.float32, 8, 8, ()) is not None:
         pytest.skip("torch engine not usable here")
+    import torch  # noqa: F401 - auto considers torch once it is imported
     if comm.rank == comm.size - 1:
         monkeypatch.setattr(torch_ops, "available", lambda: "torch missing on this node")
     name, why = _chosen(comm, monkeypatch, engine="auto")
@@ -138,6 +145,7 @@ def test_import_does_not_import_torch(serial_only):
 
 def test_untested_torch_falls_back_with_one_notice(comm, monkeypatch, caplog):
     import logging
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
     monkeypatch.setattr(torch_ops, "available", lambda: "torch 9.1 untested (tested: 2.13; set MPIATTN_TORCH_UNTESTED=1 to try)")
     monkeypatch.setattr(engines, "_SAID", set())
     with caplog.at_level(logging.WARNING, logger="mpiattn.engines"):

@@ -27,7 +27,6 @@ import).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import re
 import subprocess
@@ -497,9 +496,6 @@ def test_import_and_a_numpy_call_stay_light(serial_only):
     assert got["after_call"] == [] and got["mpi_initialized"] and got["finite"], got
 
 
-@pytest.mark.xfail(importlib.util.find_spec("torch") is not None, strict=True,
-                   reason="engine='auto' (the default) imports torch to try its kernels on NumPy arrays "
-                          "(mpiattn.kernels.engines), against issue 10's 'a NumPy attention call imports no torch'")
 def test_a_default_numpy_call_imports_no_torch(serial_only):
     got = _probe("")
     assert got["after_import"] == [] and not got["mpi_at_import"], got
