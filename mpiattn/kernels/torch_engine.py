@@ -106,15 +106,43 @@ class _TorchForward:
         self.q, self.scale = q, scale
         self.out = xp.zeros((B, H, n, ev), dtype=acc_dtype)
         self.lse = xp.full((B, H, n), -np.inf, dtype=acc_dtype)
+        self.bad_rows: np.ndarray | None = None
 
     def add(self, k: Any, v: Any, mask: BlockMask, tile: int) -> None:
+        self._mark_nonfinite_keys(k, mask)
         for i0, i1, j0, j1, aligned in _calls(mask):
             o_c, lse_c = torch_ops.block_forward(
                 self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], scale=self.scale,
                 mask=_padding(mask, j0, j1), causal_aligned=aligned)
             torch_ops.merge(self.out[:, :, i0:i1], self.lse[:, :, i0:i1], o_c, lse_c)
 
+    def _mark_nonfinite_keys(self, k: Any, mask: BlockMask) -> None:
+        """Remember the rows that see a non-finite key: torch's kernel gives a row whose only key
+        in a call is NaN out 0 (as if it saw none), where the native engine propagates the NaN."""
+        xp = backend.array_module(k)
+        bad_k = ~xp.isfinite(k).all(axis=-1)  # (B, Hkv, m): one pass over the keys
+        if not bool(bad_k.any()):
+            return
+        B, H, n = self.out.shape[:3]
+        G = H // k.shape[1]
+        if self.bad_rows is None:
+            self.bad_rows = np.zeros((B, H, n), dtype=bool)
+        pad = None if mask.pad is None else backend.to_host(mask.pad)
+        for b, h, j in zip(*np.nonzero(backend.to_host(bad_k))):
+            pairs = mask.visible_pairs(0, n, j, j + 1)  # (Bs, n, 1)
+            sees = pairs[min(b, pairs.shape[0] - 1), :, 0]
+            if pad is not None and pad[b, j]:
+                continue
+            self.bad_rows[b, h * G:(h + 1) * G] |= sees
+
     def result(self) -> tuple[Any, Any]:
+        xp = backend.array_module(self.q)
+        bad = ~xp.isfinite(self.q).all(axis=-1)  # torch's CPU kernel gives a NaN query row out 0
+        if self.bad_rows is not None:
+            bad |= backend.to_device(self.bad_rows, xp)
+        if bool(bad.any()):
+            self.out[bad] = np.nan
+            self.lse[bad] = np.nan
         return self.out, self.lse
 
 
