@@ -113,4 +113,20 @@ def test_only_the_entry_points_print():
             if calls:
                 printing.add(f"{os.path.basename(path)}:{getattr(fn, 'name', '<module>')}")
     assert printing == {"app.py:run", "app.py:_print_list", "app.py:log", "report.py:main", "plot.py:main",
-                        "gpu.py:main"}
+                        "gpu.py:main", "masks.py:main", "masks.py:emit"}  # emit: nested in masks.main
+
+
+def test_masks_suite_smoke(serial_only):
+    """The masks suite runs end to end at a tiny size and reports its two targets."""
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "mpiattn.bench.masks", "single", "--n", "1024", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    records = [json.loads(line) for line in p.stdout.splitlines()]
+    cases = [r["case"] for r in records if "case" in r]
+    assert cases == ["causal", "window 1024,0", "documents mean 2048"]
+    assert all(r["time_s"] > 0 for r in records if "case" in r)
+    assert [r["target"] for r in records if "target" in r] == [
+        "window / causal <= 0.15", "documents / (visible fraction * causal) <= 2.5"]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmarks of issue 12: sliding windows, packed documents and balanced layouts.
 
 Prepared, not yet run on a quiet machine (no numbers are committed). Two parts:
@@ -23,11 +22,14 @@ Prepared, not yet run on a quiet machine (no numbers are committed). Two parts:
     ``max / min - 1`` (target for ``balanced``: within 10 %), the visible pairs
     per rank and the computed tiles per rank.
 
-Usage (from the repository root)::
+Whole calls are timed with the bench's one harness (:class:`mpiattn.bench.timing.Timer`);
+the per-rank compute time inside the kernels with :class:`KernelClock`.
 
-    OMP_NUM_THREADS=1 python benchmarks/masks_bench.py single [--n 32768] [--json out.jsonl]
-    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/masks_bench.py balance [--n 32768]
-    python benchmarks/masks_bench.py single --n 2048 --repeats 1     # a smoke test, seconds
+Usage::
+
+    OMP_NUM_THREADS=1 python -m mpiattn.bench.masks single [--n 32768] [--json out.jsonl]
+    OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpiattn.bench.masks balance [--n 32768]
+    python -m mpiattn.bench.masks single --n 2048 --repeats 1     # a smoke test, seconds
 
 Every record is also written as one JSON object per line with ``--json``.
 """
@@ -42,10 +44,12 @@ import time
 
 import numpy as np
 
-import mpiattn
-from mpiattn import balancing
-from mpiattn.comm import get_comm
-from mpiattn.kernels import native
+from .. import balancing
+from ..comm.core import get_comm
+from ..kernels import native
+from ..sharding import shard
+from ..strategies import attention, attention_backward
+from .timing import Timer
 
 
 def documents(n: int, mean: int, seed: int) -> np.ndarray:
@@ -54,7 +58,7 @@ def documents(n: int, mean: int, seed: int) -> np.ndarray:
     lens = rng.geometric(1.0 / mean, size=4 * (n // mean + 2))
     cu = np.concatenate([[0], np.cumsum(lens)])
     cu = np.unique(np.minimum(cu[: np.searchsorted(cu, n) + 1], n))
-    return mpiattn.segment_ids_from_cu_seqlens(cu)[None]
+    return balancing.segment_ids_from_cu_seqlens(cu)[None]
 
 
 class KernelClock:
@@ -86,19 +90,11 @@ class KernelClock:
 def _inputs(n: int, layout, seed: int = 0) -> tuple:
     rng = np.random.default_rng(seed)
     x = [rng.standard_normal((1, 1, n, 64), dtype=np.float32) for _ in range(4)]
-    return tuple(mpiattn.shard(a, layout=layout) for a in x)
+    return tuple(shard(a, layout=layout) for a in x)
 
 
 def _median_time(c, fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        c.barrier()
-        t0 = time.perf_counter()
-        fn()
-        c.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return Timer(c).measure(fn, warmup=1, repeat=repeats).median
 
 
 def single(args: argparse.Namespace, emit) -> None:
@@ -116,12 +112,12 @@ def single(args: argparse.Namespace, emit) -> None:
         kw = {**base, **extra}
 
         def step():
-            out, lse = mpiattn.attention(q, k, v, **kw)
+            out, lse = attention(q, k, v, **kw)
             if args.backward:
-                mpiattn.attention_backward(do, q, k, v, out, lse, **kw)
+                attention_backward(do, q, k, v, out, lse, **kw)
 
         with KernelClock() as clock:
-            mpiattn.attention(q, k, v, **kw)
+            attention(q, k, v, **kw)
         t = _median_time(c, step, args.repeats)
         pairs = int(balancing.row_work(n, causal=True, window=extra.get("window"),
                                        segment_ids=extra.get("segment_ids")).sum())
@@ -143,20 +139,20 @@ def balance_part(args: argparse.Namespace, emit) -> None:
     c = get_comm()
     n, P = args.n, c.size
     seg = documents(n, args.mean_doc, seed=1)
-    layouts = {"balanced": mpiattn.balance(n, P, causal=True, segment_ids=seg),
+    layouts = {"balanced": balancing.balance(n, P, causal=True, segment_ids=seg),
                "contiguous": "contiguous", "zigzag": "zigzag"}
     for name, layout in layouts.items():
         q, k, v, _ = _inputs(n, layout)
-        ids = mpiattn.shard(seg, axis=-1, layout=layout)
+        ids = shard(seg, axis=-1, layout=layout)
         kw = dict(causal=True, segment_ids=ids, layout=layout, engine="native", strategy="ring",
                   block_size=args.block)
-        mpiattn.attention(q, k, v, **kw)  # warm-up
+        attention(q, k, v, **kw)  # warm-up
         per_call = []
         tiles = 0
         for _ in range(args.repeats):
             c.barrier()
             with KernelClock() as clock:
-                mpiattn.attention(q, k, v, **kw)
+                attention(q, k, v, **kw)
             per_call.append(clock.seconds)
             tiles = clock.tiles
         mine = statistics.median(per_call)
