@@ -1,4 +1,4 @@
-"""The commands: ``example`` (the default), ``run``, ``make-data``, ``info``."""
+"""The commands: ``example`` (the default), ``run``, ``make-data``, ``info``, ``clean``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import datetime
 import logging
 import os
 import sys
-import uuid
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from ..io import datagen
 from ..kernels import torch_ops
 from ..layouts import all_segments
 from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError, agreed, local_errors
-from .steps import Timer, gpu_status, host_names, run_file, world_comm
+from .steps import Timer, gpu_status, host_names, prepare_output, run_file, world_comm
 
 
 
@@ -61,26 +60,38 @@ def cmd_example(args: Any, con: Console) -> int:
 
 
 def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
-    """Bundled file missing (an unusual install): regenerate it (make-data), run, delete it."""
-    directory = os.path.dirname(os.path.abspath(output))
-    regen = c.bcast_obj(os.path.join(directory, f".mpiattn-example-in-{uuid.uuid4().hex[:8]}.h5"))
+    """Bundled file missing (an unusual install): regenerate it (make-data), run, delete it.
+
+    The regenerated input is a locked temporary (:class:`mpiattn.io.temporaries.Temporary`):
+    removed on a signal, and by a later run should this one be killed.
+    """
+    from ..io.temporaries import Temporary, register, unregister
+
+    target = os.path.join(os.path.dirname(os.path.abspath(output)), "mpiattn-example-in.h5")
+    with agreed():
+        own = io.atomic.on_rank0(c, lambda: Temporary.reserve(target), share=False)
+    regen = c.bcast_obj(own.data if c.rank == 0 else None)
+    tmp = own if c.rank == 0 else Temporary(regen)
+    register(tmp)
     con.say("bundled example input missing: regenerating it with make-data (seed "
             f"{EXAMPLE_SPEC['seed']})")
     try:
-        _make_data(c, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=False)
+        _make_data(c, con, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=False)
         return run_file(c, con, args, regen, output, True, {EXAMPLE_ATTR: 1}, "example")
     finally:  # every rank has finished reading it once run_file returns or raises alike
-        if c.rank == 0 and os.path.exists(regen):
-            os.remove(regen)
+        unregister(tmp)
+        if c.rank == 0:
+            tmp.remove()
 
 
-def _make_data(c: Any, output: str, spec_kw: dict, causal: bool, scale: float | None,
-               force: bool,
-               window: tuple | None = None) -> tuple[Any, dict]:
+def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
+               scale: float | None, force: bool, window: tuple | None = None) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
     timer = Timer(c)
-    with agreed():
-        io.check_output(output, c, force=force)
+    nbytes = sum(int(np.prod(shape, dtype=np.int64))
+                 * {"key_padding_mask": 1, "segment_ids": 8}.get(name, np.dtype(spec.dtype).itemsize)
+                 for name, (shape, _) in spec.datasets().items())
+    prepare_output(c, con, output, force, nbytes)  # before generating anything
     with timer.phase("generate"), local_errors(c):
         rows = {}
         for name, (shape, axis) in spec.datasets().items():
@@ -109,7 +120,7 @@ def cmd_make_data(args: Any, con: Console) -> int:
         raise UsageError(f"--docs needs --kv-seq equal to --seq (the keys take the query "
                          f"documents), got --seq {args.seq} --kv-seq {spec_kw['kv_seq']}")
     c = world_comm()
-    spec, times = _make_data(c, args.output, spec_kw, args.causal, args.scale, args.force,
+    spec, times = _make_data(c, con, args.output, spec_kw, args.causal, args.scale, args.force,
                              window=args.window)
     names = ", ".join(f"{n} {s}" for n, (s, _) in spec.datasets().items())
     con.say(f"wrote {os.path.abspath(args.output)} on {c.size} rank(s): {names} ({spec.dtype}, "
@@ -157,11 +168,41 @@ def cmd_info(args: Any, con: Console) -> int:
     else:
         con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
     con.say(f"CUDA-aware {transport}")
+    _threads_lines(c, con, hosts, getattr(args, "threads_info", None))
     torch_why = c.allgather_obj(torch_ops.available())
     bad = [(r, why) for r, why in enumerate(torch_why) if why is not None]
     con.say("engines    native (always); torch: "
             + ("usable on every rank (auto uses it for NumPy float32/float64 with causal/padding masks)"
                if not bad else f"not usable (rank {bad[0][0]}: {bad[0][1]}); auto uses native"))
+    return 0
+
+
+def _threads_lines(c: Any, con: Console, hosts: list[str], threads: Any) -> None:
+    """``threads`` line(s) of ``info``: BLAS threads per rank and their reason, per host."""
+    lines = c.allgather_obj(None if threads is None else threads.describe())
+    by_text: dict[str, list[int]] = {}
+    for r, text in enumerate(lines):
+        by_text.setdefault(text or "not set by mpiattn", []).append(r)
+    if len(by_text) == 1:
+        con.say(f"threads    BLAS {next(iter(by_text))}")
+        return
+    for text, ranks in by_text.items():
+        con.say(f"threads    {_ranges(ranks)} ({', '.join(sorted({hosts[r] for r in ranks}))}): "
+                f"BLAS {text}")
+
+
+def cmd_clean(args: Any, con: Console) -> int:
+    """``mpiattn clean [DIR]``: remove the temporaries of dead writers (never a live one's)."""
+    c = world_comm()
+    directory = os.path.abspath(args.directory)
+    with agreed():
+        stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory))
+    for path, size in stale.removed:
+        con.say(f"removed {path} ({size / 2**20:.1f} MiB), left by an mpiattn writer that died")
+    for path, why in stale.kept:
+        con.say(f"kept    {path}: {why}")
+    if not stale.removed and not stale.kept:
+        con.say(f"no mpiattn temporary files in {directory}")
     return 0
 
 

@@ -49,8 +49,16 @@ class Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
+#: Off terminals, progress lines appear only for phases running longer than this (seconds).
+PROGRESS_AFTER_S = 5.0
+
+
 class Console:
-    """Rank 0's output: messages (unless quiet), errors, a progress bar on terminals."""
+    """Rank 0's output: messages (unless quiet), errors, progress.
+
+    Progress is a bar on terminals; elsewhere (a batch job's log) a line
+    every 10 % for phases that run longer than :data:`PROGRESS_AFTER_S`.
+    """
 
     def __init__(self, rank: int, quiet: bool = False):
         self.rank, self.quiet = rank, quiet
@@ -65,11 +73,21 @@ class Console:
             print(f"mpiattn: error: {msg}", file=sys.stderr, flush=True)
 
     def progress(self, label: str) -> Callable[[int, int], None]:
-        """A ``progress(done, total)`` callback drawing a bar (a no-op off terminals)."""
+        """A ``progress(done, total)`` callback: a bar on terminals, lines every 10 % elsewhere."""
         last = [0.0]
+        start = time.monotonic()
+        decile = [0]
 
         def update(done: int, total: int) -> None:
             if not self.tty:
+                if self.rank != 0 or self.quiet or total <= 0:
+                    return
+                now = time.monotonic()
+                step = 10 * min(done, total) // total
+                if step > decile[0] and now - start >= PROGRESS_AFTER_S:
+                    decile[0] = step
+                    print(f"  {label:9s}{100 * done // total:3d} % ({done}/{total} steps, "
+                          f"{now - start:.0f} s)", flush=True)
                 return
             now = time.monotonic()
             if done < total and now - last[0] < 0.1:

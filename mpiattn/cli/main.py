@@ -1,32 +1,67 @@
-"""Command line: ``python -m mpiattn [example | run | make-data | info] ...``.
+"""Command line: ``python -m mpiattn [example | run | make-data | info | clean | bench] ...``.
 
 Every rank parses the same ``argv`` and runs the same sequence of collective
-steps; only rank 0 prints (the progress bar only when stdout is a terminal).
+steps; only rank 0 prints (a progress bar on terminals, progress lines
+otherwise).
 
-Exit codes: 0 success, 2 usage error (bad arguments), 1 runtime error (bad
-input file, unwritable output, failed check, ...). Each error is printed
-once. Errors of the collective steps are raised identically on every rank,
-so every rank returns the same code; an unexpected error on one rank only
-(a bug) is printed by that rank, which then aborts the job so nothing hangs.
+Exit codes: 0 success, 2 usage error (bad arguments, also those found only
+once the input is known, such as ``--strategy ulysses`` with heads that do
+not divide among the ranks), 1 runtime error (bad input file, unwritable
+output, full disk, failed check, broken launch, ...), ``128 + N`` when
+ended by signal ``N`` (SIGINT, SIGTERM, SIGHUP: see
+:mod:`mpiattn.cli.signals`). Each error is printed once. Errors of the
+collective steps are raised identically on every rank, so every rank
+returns the same code; an unexpected error on one rank only (a bug) is
+printed by that rank, which then aborts the job so nothing hangs.
+
+Before any work :func:`main` checks that the launcher and MPI agree on the
+number of ranks and gives each rank its share of the node's cores for BLAS
+(:mod:`mpiattn.cli.resources`). Run as the program (``argv`` None) it also
+installs the signal handlers and, after an error, ends the process without
+running HDF5's exit handlers (after a failed write they may crash).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 
 
-from .commands import cmd_example, cmd_info, cmd_make_data, cmd_run
+from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
+from . import resources, signals
 
+#: Commands that compute or write, and so check the launch and set the BLAS threads.
+_WORKING = ("example", "run", "make-data", "info")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, 1 or 2) on every rank."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run the command line; returns the exit code (0, 1 or 2) on every rank.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments. None (the program, ``python -m mpiattn``): ``sys.argv``,
+        with signal handlers installed for the run, and the process ends
+        with ``os._exit`` after an error (see the module docstring).
+    """
+    program = argv is None
+    guard = signals.install() if program else None
+    try:
+        code = _main(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        if guard is not None:
+            guard.uninstall()
+    if program and code:
+        _leave(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     rank = world_rank()
     con = Console(rank)
     try:
@@ -42,11 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0
+    threads = None
     try:
+        if args.command in _WORKING or args.command in PLUGINS:
+            from mpi4py import MPI
+
+            problem = resources.launch_problem(MPI.COMM_WORLD.Get_size())
+            if problem is not None:  # every process sees it alike: no communication
+                if resources.launcher_rank() in (None, 0):
+                    con.error(problem)  # the launcher's rank 0 speaks, for all
+                return 1
         if args.command in PLUGINS:
             return int(importlib.import_module(PLUGINS[args.command][0]).run(args) or 0)
+        if args.command in _WORKING:
+            from .steps import world_comm
+
+            threads = resources.configure_threads(world_comm().node, getattr(args, "threads", None))
+            args.threads_info = threads
         return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
-                "info": cmd_info}[args.command](args, con)
+                "info": cmd_info, "clean": cmd_clean}[args.command](args, con)
     except UsageError as exc:
         con.error(str(exc))
         return 2
@@ -55,6 +104,40 @@ def main(argv: list[str] | None = None) -> int:
             con.error(str(exc) or type(exc).__name__)
             return 1
         return _unexpected(exc)
+    finally:
+        if threads is not None:
+            threads.restore()
+
+
+def _leave(code: int) -> None:
+    """After an error: end the program at once when HDF5 still holds objects (else return).
+
+    After a failed write HDF5 may hold a half-closed file whose clean-up at
+    exit crashes (HDF5 2.0: a segfault in ``H5_term_library`` after a full
+    disk), turning exit code 1 into a signal. Every rank returned the same
+    code and is here: they agree (one allreduce) and, if any rank holds
+    HDF5 objects, all leave together through ``os._exit`` right after a
+    barrier (Hydra kills the ranks still running when one exits with an
+    error, so they must exit at about the same moment).
+    """
+    h5py = sys.modules.get("h5py")
+    held = bool(h5py is not None and h5py.h5f.get_obj_count())
+    from mpi4py import MPI
+
+    usable = MPI.Is_initialized() and not MPI.Is_finalized()
+    world = MPI.COMM_WORLD if usable else None
+    if world is not None and world.Get_size() > 1:
+        held = bool(world.allreduce(held, op=MPI.LOR))
+    if not held:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    if world is not None:
+        world.Barrier()
+    os._exit(code)
 
 
 def _unexpected(exc: BaseException) -> int:
@@ -66,9 +149,9 @@ def _unexpected(exc: BaseException) -> int:
                      f"{traceback.format_exc()}")
     sys.stderr.flush()
     if world.Get_size() > 1:
-        sys.stderr.write("mpiattn: aborting the job so no rank waits forever\n")
-        sys.stderr.flush()
-        world.Abort(1)
+        from ..comm.errors import abort_job
+
+        abort_job(world, 1, "mpiattn: aborting the job so no rank waits forever")
     return 1
 
 

@@ -16,8 +16,14 @@ from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
 # ----------------------------------------------------------------- argument types
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
+#: Largest value of a size option (rows, heads, features, block, threads): a C int.
+MAX_SIZE = 2**31 - 1
+#: Largest seed (stored as a 64-bit attribute).
+MAX_SEED = 2**63 - 1
+
+
+def _int_at_least(low: int, high: int = MAX_SIZE):
+    """An argparse type: an integer in ``[low, high]`` (decimal digits only)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -25,12 +31,15 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
     return parse
 
 
 _positive_int = _int_at_least(1)
 _nonneg_int = _int_at_least(0)
+_seed = _int_at_least(0, MAX_SEED)
 
 
 def _finite_float(text: str) -> float:
@@ -97,7 +106,14 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
                         "auto (gpu when CuPy and a GPU are usable on every rank; the default)")
     p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None,
                    help="how device buffers cross ranks (sets MPIATTN_GPU_TRANSPORT)")
+    _add_threads_option(p)
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+
+def _add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="BLAS threads per rank (default: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS "
+                        "or MKL_NUM_THREADS when set, else the node's cores / its ranks)")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -167,11 +183,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="set the file's window attribute")
     mk.add_argument("--causal", action="store_true", help="set the file's causal attribute")
     mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
-    mk.add_argument("--seed", type=_nonneg_int, default=0)
+    mk.add_argument("--seed", type=_seed, default=0)
     mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
     mk.add_argument("--quiet", "-q", action="store_true")
 
-    sub.add_parser("info", help="versions, ranks, hosts, GPUs, CUDA-aware MPI, parallel HDF5")
+    info = sub.add_parser("info", help="versions, ranks, hosts, threads, GPUs, CUDA-aware MPI, "
+                          "parallel HDF5")
+    _add_threads_option(info)
+
+    clean = sub.add_parser("clean", help="remove the temporary files of dead mpiattn writers "
+                           "in a directory (never those of live ones)")
+    clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
+    clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
     for name, (module, text) in PLUGINS.items():
         if importlib.util.find_spec(module) is None:

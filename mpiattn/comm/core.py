@@ -19,7 +19,10 @@ ranks (benchmarks read it; it costs one integer addition per call).
 
 ``import mpiattn`` does not import ``mpi4py.MPI`` (which would initialise
 MPI). :func:`get_comm` duplicates the user's communicator on first use and
-caches the duplicate, so library traffic never matches user messages.
+caches the duplicate, so library traffic never matches user messages. At
+the same point it learns which ranks share a node (:mod:`mpiattn.comm.node`),
+and the first collective check of a public call warns once when those ranks
+run more BLAS threads than the node has cores.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import backend
-from . import errors
+from . import errors, node
 
 __all__ = ["Comm", "Request", "get_comm"]
 
@@ -55,6 +58,7 @@ def get_comm(comm: Any = None) -> "Comm":
     if hit is not None and hit[0] is base:
         return hit[1]
     wrapped = Comm(base.Dup())
+    wrapped.node = node.node_info(wrapped.mpi)  # collective, like the Dup: every rank is here
     _CACHE[id(base)] = (base, wrapped)
     return wrapped
 
@@ -96,6 +100,9 @@ class Comm:
         #: ``device_transport``, the object that moves them.
         self.transport: str | None = None
         self.device_transport: Any = None
+        #: This rank's node (:class:`mpiattn.comm.node.NodeInfo`); :func:`get_comm`
+        #: sets it, None for a Comm made directly.
+        self.node: node.NodeInfo | None = None
 
     # ------------------------------------------------------------------ errors
     def collective_errors(self) -> contextlib.AbstractContextManager[None]:
@@ -103,7 +110,14 @@ class Comm:
         return errors.agree(self.mpi)
 
     def allgather_checked(self, fn: Callable[[], Any]) -> list:
-        """:func:`mpiattn.comm.errors.allgather_checked` on this communicator."""
+        """:func:`mpiattn.comm.errors.allgather_checked` on this communicator.
+
+        Every public call starts with it; the first one also warns (once per
+        process, no communication) when the node is oversubscribed with BLAS
+        threads (:func:`mpiattn.comm.node.warn_if_oversubscribed`).
+        """
+        if self.node is not None:
+            node.warn_if_oversubscribed(self.node)
         return errors.allgather_checked(self.mpi, fn)
 
     def abort_on_error(self) -> contextlib.AbstractContextManager[None]:

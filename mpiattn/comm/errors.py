@@ -9,6 +9,11 @@ Two ways for a job to end cleanly when some rank fails:
 * :func:`abort_on_error` around communication: a rank that fails there may
   leave its peers blocked inside MPI, so it aborts the whole job.
 
+An abort (:func:`abort_job`) first runs the hooks registered with
+:func:`at_abort` (the I/O layer's removal of its temporary files), and it
+never runs C exit handlers: HDF5's, for one, would close files that are
+still open, a collective call inside an abort (a hang or an assertion).
+
 These functions take an ``mpi4py.MPI.Intracomm`` and never import
 ``mpi4py.MPI`` at module import.
 """
@@ -16,11 +21,23 @@ These functions take an ``mpi4py.MPI.Intracomm`` and never import
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import threading
+import time
 import traceback
 from typing import Any, Callable, Iterator
 
-__all__ = ["CollectiveError", "agree", "allgather_checked", "abort_on_error", "raise_first"]
+__all__ = ["CollectiveError", "agree", "allgather_checked", "abort_on_error", "raise_first",
+           "at_abort", "abort_job", "DEFER_S"]
+
+#: Seconds a rank other than 0 waits before it aborts a job: when every rank
+#: fails (a full disk, a signal sent to all), rank 0's abort comes first and
+#: its message is the only one.
+DEFER_S = 2.0
+
+_HOOKS: list[Callable[[], Any]] = []
+_ENDING = threading.Lock()
 
 
 class CollectiveError(RuntimeError):
@@ -110,7 +127,10 @@ def abort_on_error(mpi_comm: Any) -> Iterator[None]:
 
     Used around communication-heavy sections, where a rank that stops early
     would leave its peers blocked in MPI forever. With one rank the exception
-    propagates normally.
+    propagates normally. The failing rank prints one message (with the
+    traceback for errors that look like bugs); ranks other than 0 wait
+    :data:`DEFER_S` seconds first, so that when every rank fails only rank
+    0's message appears.
     """
     try:
         yield
@@ -118,9 +138,76 @@ def abort_on_error(mpi_comm: Any) -> Iterator[None]:
         size = mpi_comm.Get_size()
         if size == 1:
             raise
-        sys.stderr.write(
-            f"mpiattn: rank {mpi_comm.Get_rank()} of {size} failed during communication: "
-            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            "mpiattn: aborting the job so no rank waits forever\n")
-        sys.stderr.flush()
-        mpi_comm.Abort(1)
+        rank = mpi_comm.Get_rank()
+        if rank:
+            time.sleep(DEFER_S)
+        bug = not isinstance(exc, (OSError, MemoryError, KeyboardInterrupt))
+        abort_job(mpi_comm, 1,
+                  f"mpiattn: error: rank {rank} of {size} failed during communication: "
+                  f"{type(exc).__name__}: {exc}; aborting the job so no rank waits forever\n"
+                  + (traceback.format_exc() if bug else ""))
+
+
+def at_abort(hook: Callable[[], Any]) -> None:
+    """Run ``hook()`` (local, quick, never raising) before this process aborts the job."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
+
+
+def _skip_exit_handlers(code: int) -> None:
+    """Make a later C ``exit()`` end the process at once (glibc; best effort).
+
+    MPI_Abort may end the process through ``exit()``, which runs the C exit
+    handlers; HDF5's closes open files (collectively, for parallel HDF5). A
+    handler registered now runs before those registered earlier, and calls
+    ``_exit``.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: os._exit(code))
+        _skip_exit_handlers.keep = hook  # type: ignore[attr-defined] - must outlive this call
+        libc.__cxa_atexit(hook, None, None)
+    except Exception:  # noqa: BLE001 - not glibc: nothing to do
+        pass
+
+
+def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
+    """End this process and, through ``MPI_Abort``, every rank of the job; never returns.
+
+    Runs the :func:`at_abort` hooks, writes ``message`` to stderr, and never
+    runs Python's or C's exit handlers (no HDF5 collective after an abort).
+    Safe from any thread (the first caller wins; later ones wait). With one
+    rank, or where MPI is not (or no longer) initialised, or MPI was not
+    initialised for threads and this is not the main thread, the process
+    just exits with ``code`` (the launcher ends the others).
+    """
+    if not _ENDING.acquire(blocking=True, timeout=30):
+        os._exit(code)
+    for hook in reversed(_HOOKS):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - an abort must go on
+            pass
+    if message:
+        try:
+            sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        except Exception:  # noqa: BLE001
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    _skip_exit_handlers(code)
+    try:
+        from mpi4py import MPI
+
+        usable = MPI.Is_initialized() and not MPI.Is_finalized()
+        if usable and threading.current_thread() is not threading.main_thread():
+            usable = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if usable and mpi_comm is not None and mpi_comm.Get_size() > 1:
+            mpi_comm.Abort(code)
+    finally:
+        os._exit(code)

@@ -4,27 +4,39 @@ Every output (attention results, layer checkpoints) is written to a
 temporary file ``.NAME.mpiattn-XXXX.tmp`` in the target directory and
 renamed to ``NAME`` by rank 0 only after every rank has reported success
 (:func:`write_atomically`). A failure leaves no partial file under ``NAME``
-and a previous ``NAME`` untouched, and the temporary file is removed.
+and a previous ``NAME`` untouched, and the temporary file is removed. The
+temporary is locked by its writer while it exists, so the temporaries of
+writers that died (SIGKILL) can be told apart and removed later
+(:mod:`mpiattn.io.temporaries`). The free space is checked first when the
+size of the output is known.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from typing import Any, Callable
 
 from ..comm.core import Comm, get_comm
+from . import temporaries
+from .temporaries import Temporary
 
-__all__ = ["on_rank0", "check_output", "temp_path", "write_atomically"]
+__all__ = ["on_rank0", "check_output", "check_space", "temp_path", "write_atomically",
+           "space_needed", "NoSpaceError"]
 
 
-def on_rank0(c: Any, fn: Callable[[], Any]) -> Any:
-    """Run the local ``fn`` on rank 0; its error is raised on every rank, its result broadcast."""
+def on_rank0(c: Any, fn: Callable[[], Any], *, share: bool = True) -> Any:
+    """Run the local ``fn`` on rank 0; its error is raised on every rank.
+
+    Returns its result, broadcast to every rank (``share``), or on rank 0
+    only (None elsewhere).
+    """
     result = None
     with c.collective_errors():
         if c.rank == 0:
             result = fn()
-    return c.bcast_obj(result) if c.size > 1 else result
+    return c.bcast_obj(result) if c.size > 1 and share else result
 
 
 def _output_problem(path: str, force: bool) -> None:
@@ -47,8 +59,70 @@ def _output_problem(path: str, force: bool) -> None:
     os.remove(probe)
 
 
-def check_output(path: str, comm: Any = None, *, force: bool = False) -> None:
+class NoSpaceError(OSError):
+    """Not enough free space for an output (``errno.ENOSPC``), found before or while writing."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def space_needed(nbytes: int) -> int:
+    """Bytes of free space required for an output of ``nbytes`` bytes of data.
+
+    The data plus 5 % and 4 MiB for HDF5's metadata (chunk indexes, headers);
+    an output being replaced is kept until the new one is complete, so its
+    space does not count as free.
+    """
+    return int(nbytes) + int(nbytes) // 20 + (4 << 20)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _space_problem(path: str, nbytes: int) -> None:
+    directory = os.path.dirname(path) or "."
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    need = space_needed(nbytes)
+    if need > free:
+        raise NoSpaceError(f"not enough free space for {path}: the output needs about "
+                           f"{_fmt(need)} ({_fmt(nbytes)} of data plus a margin), {directory} "
+                           f"has {_fmt(free)} free")
+
+
+def check_space(path: str, nbytes: int, comm: Any = None) -> None:
+    """Check that ``path``'s directory has room for ``nbytes`` of output (rank 0 checks).
+
+    Raises
+    ------
+    NoSpaceError
+        On every rank, naming the sizes.
+    """
+    c = get_comm(comm)
+    on_rank0(c, lambda: _space_problem(os.path.abspath(path), nbytes))
+
+
+def check_output(path: str, comm: Any = None, *, force: bool = False,
+                 nbytes: int | None = None) -> None:
     """Check, before computing, that ``path`` can be written (rank 0 checks; same error everywhere).
+
+    Parameters
+    ----------
+    path : str
+    comm : mpi4py.MPI.Intracomm, optional
+    force : bool
+        An existing ``path`` may be replaced.
+    nbytes : int, optional
+        The size of the output's data, when known: also check the free
+        space (:func:`space_needed`).
 
     Raises
     ------
@@ -60,14 +134,24 @@ def check_output(path: str, comm: Any = None, *, force: bool = False) -> None:
         ``path`` exists and ``force`` is False.
     IsADirectoryError
         ``path`` is a directory.
+    NoSpaceError
+        Not enough free space for ``nbytes``.
     """
     c = get_comm(comm)
-    on_rank0(c, lambda: _output_problem(os.path.abspath(path), force))
+    path = os.path.abspath(path)
+
+    def problem() -> None:
+        _output_problem(path, force)
+        if nbytes is not None:
+            _space_problem(path, nbytes)
+    on_rank0(c, problem)
 
 
-def _remove(path: str | None) -> None:
-    if path is not None and os.path.lexists(path):
-        os.remove(path)
+def _disk_full(exc: BaseException) -> bool:
+    """An ENOSPC error (also as rebuilt on other ranks from its message) not yet explained."""
+    if not isinstance(exc, OSError) or isinstance(exc, NoSpaceError):
+        return False
+    return exc.errno == errno.ENOSPC or str(exc).startswith(f"[Errno {errno.ENOSPC}]")
 
 
 def _fsync(path: str) -> None:
@@ -80,12 +164,11 @@ def _fsync(path: str) -> None:
 
 def temp_path(path: str) -> str:
     """A fresh temporary name ``.NAME.mpiattn-XXXX.tmp`` beside ``path`` (local: no communication)."""
-    path = os.path.abspath(path)
-    return os.path.join(os.path.dirname(path),
-                        f".{os.path.basename(path)}.mpiattn-{uuid.uuid4().hex[:10]}.tmp")
+    return temporaries.temporary_name(path)
 
 
-def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force: bool = False) -> None:
+def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force: bool = False,
+                     nbytes: int | None = None) -> None:
     """Run the collective ``write(tmp)``, then publish ``tmp`` as ``path`` (collective).
 
     Parameters
@@ -99,32 +182,49 @@ def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force:
         on every rank or none (or abort the job).
     force : bool
         Replace an existing ``path``.
+    nbytes : int, optional
+        The size of the data to be written: the free space is checked first.
 
     Raises
     ------
     Exception
         Whatever ``write`` raised, or the publishing error, on every rank;
         ``path`` is then unchanged and the temporary file removed.
+
+    Notes
+    -----
+    Rank 0 reserves the temporary name with a lock it holds until the file
+    is renamed or removed (:class:`mpiattn.io.temporaries.Temporary`);
+    every rank registers the name, so that a signal handler or an abort on
+    any rank can remove it (:func:`mpiattn.io.temporaries.remove_registered`).
     """
     path = os.path.abspath(path)
-    check_output(path, c, force=force)
-    tmp = c.bcast_obj(temp_path(path)) if c.size > 1 else temp_path(path)
+    check_output(path, c, force=force, nbytes=nbytes)
+    own = on_rank0(c, lambda: Temporary.reserve(path), share=False)
+    name = c.bcast_obj(own.data if c.rank == 0 else None) if c.size > 1 else own.data
+    tmp = own if c.rank == 0 else Temporary(name)
+    temporaries.register(tmp)
 
     def publish() -> None:
         if not force and os.path.lexists(path):
             raise FileExistsError(f"output {path} appeared while writing; not replaced")
-        _fsync(tmp)
-        os.replace(tmp, path)
+        _fsync(tmp.data)
+        tmp.publish(path)
 
     try:
-        write(tmp)
+        write(tmp.data)
         on_rank0(c, publish)
-    except Exception:  # raised identically on every rank: clean up, then let everyone raise
+    except Exception as exc:  # raised identically on every rank: clean up, then let everyone raise
         if c.rank == 0:
-            _remove(tmp)
+            tmp.remove()
         c.barrier()  # nobody returns before the temporary file is gone
+        if _disk_full(exc):
+            raise NoSpaceError(f"the disk filled up while writing {path} (No space left on "
+                               f"device); nothing was written under that name") from exc
         raise
     except BaseException:
         if c.rank == 0:
-            _remove(tmp)
+            tmp.remove()
         raise
+    finally:
+        temporaries.unregister(tmp)

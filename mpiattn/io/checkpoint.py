@@ -53,7 +53,8 @@ def save_params(path: str | os.PathLike, params: Mapping[str, np.ndarray], attrs
                     for name, value in params.items():
                         grp.create_dataset(name, data=np.asarray(value))
 
-    write_atomically(c, os.fspath(path), write, force=True)
+    nbytes = sum(int(np.asarray(value).nbytes) for value in params.values()) if c.rank == 0 else 0
+    write_atomically(c, os.fspath(path), write, force=True, nbytes=nbytes)
 
 
 def load_params(path: str | os.PathLike, fmt: str, max_version: int,

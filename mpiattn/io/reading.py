@@ -167,9 +167,9 @@ def _check_dtype(name: str, dt: np.dtype) -> None:
             raise TypeError(f"dataset 'key_padding_mask' has dtype {dt}; it must be boolean "
                             "(True = padding key to ignore)")
         return
-    if dt.kind != "f" or dt not in backend.SUPPORTED_DTYPES:
+    if dt.kind != "f" or dt.newbyteorder("=") not in backend.SUPPORTED_DTYPES:
         raise TypeError(f"dataset {name!r} has dtype {dt}; mpiattn needs real floating-point "
-                        "data (float16, float32 or float64)")
+                        "data (float16, float32 or float64, any byte order)")
 
 
 def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
@@ -233,7 +233,7 @@ def _read_meta(path: str) -> dict:
                 raise ValueError(f"{path}: {name!r} is a group, not a dataset")
             _check_dtype(name, ds.dtype)
             stored[name] = tuple(int(s) for s in ds.shape)
-            dtypes[name] = ds.dtype.str
+            dtypes[name] = ds.dtype.newbyteorder("=").str  # read in native byte order
         shapes = {name: _promoted(name, s) for name, s in stored.items()}
         _validate(shapes)
         causal = f.attrs.get("causal")
@@ -255,10 +255,13 @@ def _read_meta(path: str) -> dict:
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
-    """Rows ``segs`` of dataset ``ds`` along ``axis``, one hyperslab per segment."""
+    """Rows ``segs`` of dataset ``ds`` along ``axis``, one hyperslab per segment.
+
+    Read in native byte order (HDF5 converts a big-endian dataset on read).
+    """
     shape = list(ds.shape)
     shape[axis] = sum(ln for _, ln in segs)
-    out = np.empty(shape, dtype=ds.dtype)
+    out = np.empty(shape, dtype=ds.dtype.newbyteorder("="))
     pos = 0
     for g, ln in segs:
         src = [slice(None)] * len(shape)

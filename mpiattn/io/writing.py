@@ -13,9 +13,11 @@ Datasets are chunked along the sequence axis (chunks of about 1 MiB).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -30,6 +32,57 @@ __all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
 CHUNK_BYTES = 1 << 20
 
 _TOKEN_TAG = 7301
+
+#: HDF5 errors of failed serial writes, kept with their tracebacks for the life of the process.
+_BROKEN: list = []
+
+
+def _from_broken_file(exc: BaseException | None, where: str) -> bool:
+    """An h5py report that an object of a file whose write failed cannot be released."""
+    return "ObjectID" in where and isinstance(exc, RuntimeError) and "write failed" in str(exc)
+
+
+def _hush_unraisable(unraisable: Any) -> None:
+    where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
+    if not _from_broken_file(unraisable.exc_value, where):
+        _HOOKS["unraisable"](unraisable)
+
+
+def _hush_excepthook(kind: type, value: BaseException, tb: Any) -> None:
+    where = ""
+    while tb is not None:
+        where, tb = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_frame.f_code.co_name}", tb.tb_next
+    if not _from_broken_file(value, "ObjectID" if "_objects.pyx" in where else where):
+        _HOOKS["except"](kind, value, tb)
+
+
+_HOOKS: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """Hush h5py's release reports during a serial write; after a failure, for good.
+
+    After a failed HDF5 write (a full disk) the file's objects cannot be
+    released: each release retries the write, fails, and h5py prints the
+    error with a traceback (through ``sys.excepthook`` and
+    ``sys.unraisablehook``), one per object. These reports are dropped;
+    everything else reaches the previous hooks. The failure itself is
+    raised normally, and kept (:data:`_BROKEN`) with its traceback, so the
+    objects it holds are never released.
+    """
+    installed = sys.unraisablehook is not _hush_unraisable
+    if installed:
+        _HOOKS.update({"unraisable": sys.unraisablehook, "except": sys.excepthook})
+        sys.unraisablehook, sys.excepthook = _hush_unraisable, _hush_excepthook
+    try:
+        yield
+    except OSError as exc:
+        _BROKEN.append(exc)
+        raise
+    else:
+        if installed and not _BROKEN:
+            sys.unraisablehook, sys.excepthook = _HOOKS["unraisable"], _HOOKS["except"]
 
 
 @dataclass
@@ -151,7 +204,7 @@ def _write_serial(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
     has_rows = c.rank == 0 or any(rows.data.size for rows in datasets.values())
     if upstream_ok and has_rows:  # if not upstream_ok, an earlier rank failed and reports it
         try:
-            with h5py.File(tmp, "w-" if c.rank == 0 else "r+") as f:
+            with _quiet_failures(), h5py.File(tmp, "w-" if c.rank == 0 else "r+") as f:
                 if c.rank == 0:
                     _create(f, meta, attrs)
                 _write_slabs(f, datasets, segs_of, collective=False)
@@ -181,8 +234,10 @@ def _write_parallel(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
             _create(f, meta, attrs)
             _write_slabs(f, datasets, segs_of, collective=True)
         except BaseException:
-            if os.path.lexists(tmp):  # leave no partial file behind; no close (collective)
+            try:  # leave no partial file behind; no close (collective)
                 os.remove(tmp)
+            except FileNotFoundError:  # another failing rank was quicker
+                pass
             if c.size == 1:
                 f.close()
             raise
@@ -214,7 +269,8 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
     ------
     ValueError, TypeError, OSError
         The same error on every rank; ``path`` is then unchanged and no
-        temporary file remains.
+        temporary file remains. ``OSError`` with ``errno.ENOSPC`` before
+        anything is written when the directory has too little free space.
     """
     c = get_comm(comm)
     path = os.path.abspath(path)
@@ -233,4 +289,10 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
         writer = _write_parallel if parallel_hdf5() else _write_serial
         writer(c, tmp, metas[0], datasets, segs_of, attrs)
 
-    write_atomically(c, path, write, force=force)
+    write_atomically(c, path, write, force=force, nbytes=data_bytes(metas[0]))
+
+
+def data_bytes(meta: Mapping[str, tuple]) -> int:
+    """Bytes of array data in datasets ``{name: (global shape, dtype, axis)}``."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+               for shape, dt, _ in meta.values())

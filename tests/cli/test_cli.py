@@ -136,10 +136,11 @@ def test_no_backward_and_ulysses_heads(comm, capsys, shared_dir):
     if 2 % comm.size == 0:  # Hkv = 2 heads must divide among the ranks
         assert code == 0, err
         _assert_matches_reference(inp, out, causal=False)
-    else:
-        assert code == 1
+    else:  # an argument error found once the input is known: exit 2, like any bad argument
+        assert code == 2
         if comm.rank == 0:
-            assert "ulysses" in err
+            assert "ulysses" in err and "divisible" in err and err.count("error:") == 1
+        assert not os.path.exists(out) or sorted(whole(out)[0]) == ["lse", "out"]
 
 
 BAD_RUNS = [("missing", "does not exist"), ("not-hdf5", "cannot open"), ("no-k", "no dataset 'k'"),
