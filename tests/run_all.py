@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Run the whole test suite: once in one process, then under mpiexec with 2, 3, 4 ranks.
 
-Usage: ``python tests/run_all.py [--ranks 1,2,3,4] [extra pytest args]``
+Usage: ``python tests/run_all.py [--ranks 1,2,3,4] [--mpiexec-args "FLAGS"] [extra pytest args]``
+(``--mpiexec-args`` defaults to ``$MPIATTN_TEST_MPIEXEC_ARGS``, e.g. ``"--oversubscribe"`` for Open MPI).
 
 Each run gets a wall-clock limit so a deadlock fails instead of hanging (each
 test also has pytest-timeout's thread-method limit). Ranks other than 0 log to
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,17 @@ def find_mpiexec() -> str:
     return local if os.path.exists(local) else (shutil.which("mpiexec") or "mpiexec")
 
 
+def mpi_library() -> str:
+    """The version string of the MPI library mpi4py loads here ('' if it cannot be told); MPI stays uninitialised."""
+    code = ("import mpi4py; mpi4py.rc.initialize = mpi4py.rc.finalize = False; "
+            "from mpi4py import MPI; print(MPI.Get_library_version().strip().splitlines()[0])")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return proc.stdout.replace("\0", "").strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def summary_counts(text: str) -> dict[str, int]:
     counts = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)", ln)]
@@ -40,9 +53,17 @@ def summary_counts(text: str) -> dict[str, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1,2,3,4", help="comma-separated rank counts (default 1,2,3,4)")
+    ap.add_argument("--mpiexec-args", default=os.environ.get("MPIATTN_TEST_MPIEXEC_ARGS", ""),
+                    help="extra launcher flags, one string (default $MPIATTN_TEST_MPIEXEC_ARGS)")
     args, extra = ap.parse_known_args()
     env = dict(os.environ)
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # MPICH: waiting ranks yield their core
+    library = mpi_library()
+    print(f"=== MPI library: {library or 'unknown'}", flush=True)
+    if "MPICH" in library.upper():
+        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # MPICH: waiting ranks yield their core
+    elif "OPEN MPI" in library.upper():
+        env.setdefault("OMPI_MCA_btl", "self,sm")  # one node: no ~1 s probe of network transports per start
+        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")  # waiting ranks yield their core
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -56,7 +77,8 @@ def main() -> int:
         if p == 1:
             cmd = [sys.executable, "-m", "pytest", *args_]
         else:
-            cmd = [find_mpiexec(), "-n", str(p), sys.executable, os.path.join(HERE, "_rank_main.py"), *args_]
+            cmd = [find_mpiexec(), *shlex.split(args.mpiexec_args), "-n", str(p),
+                   sys.executable, os.path.join(HERE, "_rank_main.py"), *args_]
         print(f"=== {p} rank(s): {' '.join(cmd)}", flush=True)
         t0 = time.time()
         try:
