@@ -17,6 +17,13 @@ if logdir and rank > 0:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
 
+# Each rank its own pytest temp root: ranks of one job (and other sessions) share the machine,
+# and pytest's cleanup of old temp directories races between concurrent sessions.
+if "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+    import tempfile  # noqa: E402
+
+    os.environ["PYTEST_DEBUG_TEMPROOT"] = tempfile.mkdtemp(prefix=f"mpiattn-pytest-rank{rank}-")
+
 import pytest  # noqa: E402 - after the redirection
 
 sys.exit(pytest.main(sys.argv[1:]))
