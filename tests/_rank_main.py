@@ -20,9 +20,12 @@ if logdir and rank > 0:
 # Each rank its own pytest temp root: ranks of one job (and other sessions) share the machine,
 # and pytest's cleanup of old temp directories races between concurrent sessions.
 if "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
     import tempfile  # noqa: E402
 
     os.environ["PYTEST_DEBUG_TEMPROOT"] = tempfile.mkdtemp(prefix=f"mpiattn-pytest-rank{rank}-")
+    atexit.register(shutil.rmtree, os.environ["PYTEST_DEBUG_TEMPROOT"], True)
 
 import pytest  # noqa: E402 - after the redirection
 
