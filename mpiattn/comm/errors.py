@@ -174,14 +174,17 @@ def _skip_exit_handlers(code: int) -> None:
 
 
 def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
-    """End this process and, through ``MPI_Abort``, every rank of the job; never returns.
+    """End this process and, through ``MPI_Abort`` on ``COMM_WORLD``, the whole job; never returns.
 
     Runs the :func:`at_abort` hooks, writes ``message`` to stderr, and never
     runs Python's or C's exit handlers (no HDF5 collective after an abort).
-    Safe from any thread (the first caller wins; later ones wait). With one
-    rank, or where MPI is not (or no longer) initialised, or MPI was not
-    initialised for threads and this is not the main thread, the process
-    just exits with ``code`` (the launcher ends the others).
+    Safe from any thread (the first caller wins; later ones wait). The job
+    is aborted through ``MPI_COMM_WORLD`` whatever ``mpi_comm`` is (MPICH
+    merely exits a process that aborts a duplicate, and the launcher then
+    kills its peers with SIGKILL). With one rank in ``mpi_comm``, or where
+    MPI is not (or no longer) initialised, or MPI was not initialised for
+    threads and this is not the main thread, the process just exits with
+    ``code``.
     """
     if not _ENDING.acquire(blocking=True, timeout=30):
         os._exit(code)
@@ -208,6 +211,6 @@ def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
         if usable and threading.current_thread() is not threading.main_thread():
             usable = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if usable and mpi_comm is not None and mpi_comm.Get_size() > 1:
-            mpi_comm.Abort(code)
+            MPI.COMM_WORLD.Abort(code)
     finally:
         os._exit(code)

@@ -227,3 +227,31 @@ def test_clean_keeps_a_live_writer_and_removes_a_dead_one(job_dir, capsys):
     assert _temporaries(job_dir) == []
     assert cli.main(["clean", str(job_dir)]) == 0
     assert "no mpiattn temporary files" in capsys.readouterr().out
+
+
+PARALLEL_FAILS = textwrap.dedent("""
+    import sys
+    from mpiattn import cli
+    from mpiattn.io import writing
+    writing.parallel_hdf5 = lambda: True  # pip's serial h5py has no mpio driver: every rank fails
+    sys.argv = ["mpiattn", "make-data", "in2.h5", "--seq", "64", "--dim", "4"]
+    sys.exit(cli.main())
+""")
+
+
+def test_a_parallel_write_failing_on_every_rank_prints_one_message(job_dir):
+    (job_dir / "parallel.py").write_text(PARALLEL_FAILS)
+    p = subprocess.run([mpiexec(), "-n", "3", sys.executable, "parallel.py"], cwd=job_dir, env=_env(),
+                       capture_output=True, text=True, timeout=LIMIT_S)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.count("mpiattn: error:") == 1, p.stderr
+    assert "rank 0 of 3 failed during communication" in p.stderr
+    assert _temporaries(job_dir) == [] and not (job_dir / "in2.h5").exists()
+
+
+def test_an_abort_runs_no_c_exit_handler(serial_only, tmp_path):
+    """After abort_job's guard a C exit() ends at once (HDF5's exit handler never runs)."""
+    code = ("import ctypes\nfrom mpiattn.comm import errors\nerrors._skip_exit_handlers(7)\n"
+            "ctypes.CDLL(None).exit(0)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT_S)
+    assert p.returncode == 7, p.stderr
