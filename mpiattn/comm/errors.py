@@ -34,7 +34,11 @@ __all__ = ["CollectiveError", "agree", "allgather_checked", "abort_on_error", "r
 #: Seconds a rank other than 0 waits before it aborts a job: when every rank
 #: fails (a full disk, a signal sent to all), rank 0's abort comes first and
 #: its message is the only one.
-DEFER_S = 2.0
+DEFER_S = 3.0
+
+#: Seconds between the last words of an aborting rank and the abort, so that the launcher
+#: (which relays every rank's output) has passed them on before it kills the job.
+FORWARD_S = 0.5
 
 _HOOKS: list[Callable[[], Any]] = []
 _ENDING = threading.Lock()
@@ -211,6 +215,8 @@ def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
         if usable and threading.current_thread() is not threading.main_thread():
             usable = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if usable and mpi_comm is not None and mpi_comm.Get_size() > 1:
+            if message:
+                time.sleep(FORWARD_S)  # the launcher relays our stderr; an abort may cut it off
             MPI.COMM_WORLD.Abort(code)
     finally:
         os._exit(code)
