@@ -1,8 +1,10 @@
-"""Command line: ``python -m mpiattn [example | run | make-data | info | bench] ...``.
+"""Command line: ``python -m mpiattn [example | run | make-data | info | clean | bench] ...``.
 
 Modules: ``common`` (constants, console, usage error, error agreement),
-``parser``, ``check`` (the float64 ``--check``), ``steps`` (device, compute,
-write, check), ``commands``, ``main`` (exit codes).
+``parser``, ``check`` (the float64 ``--check``), ``signals`` (SIGINT, SIGTERM,
+SIGHUP: clean up, one message, abort the job), ``resources`` (launch sanity,
+BLAS threads), ``steps`` (device, compute, write, check), ``commands``,
+``main`` (exit codes).
 """
 
 from __future__ import annotations
