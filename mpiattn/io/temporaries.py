@@ -288,7 +288,11 @@ def remove_stale(directory: str) -> Stale:
     kept: list = []
     data_files = sorted({os.path.join(directory, n[:-5] if n.endswith(".lock") else n)
                          for n in names if _PATTERN.fullmatch(n)})
+    own = set(registered())  # (on NFS, flock is a POSIX lock: our own would not stop us)
     for data in data_files:
+        if data in own:
+            kept.append((data, "this process is writing it"))
+            continue
         try:
             _inspect(data, removed, kept)
         except OSError as exc:

@@ -84,14 +84,15 @@ def test_a_write_registers_and_locks_its_temporary(comm, shared_dir, monkeypatch
 
     def spy(c, tmp, *a):
         seen["registered"] = temporaries.registered() == [tmp]
+        seen["locked"] = os.path.exists(tmp + ".lock")
         seen["stale"] = _on_rank0(comm, lambda: temporaries.remove_stale(shared_dir))
         real(c, tmp, *a)
     monkeypatch.setattr(writing, name, spy)
     io.write_rows(os.path.join(shared_dir, "out.h5"), _rows(comm, 6), comm)
-    assert seen["registered"] and temporaries.registered() == []
-    if comm.rank == 0:
+    assert seen["registered"] and seen["locked"] and temporaries.registered() == []
+    if comm.rank == 0:  # (the lock itself, seen from another writer: test_stale_temporaries_...)
         stale = seen["stale"]
-        assert stale.removed == [] and len(stale.kept) == 1 and "alive" in stale.kept[0][1]
+        assert stale.removed == [] and stale.kept == [(stale.kept[0][0], "this process is writing it")]
     with h5py.File(os.path.join(shared_dir, "out.h5"), "r") as f:
         np.testing.assert_array_equal(f["x"][...], np.arange(6, dtype=np.float32))
     assert sorted(os.listdir(shared_dir)) == ["out.h5"]
