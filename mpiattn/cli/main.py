@@ -37,6 +37,7 @@ from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
 _WORKING = ("example", "run", "make-data", "info")
+_PLUGIN_RAN: list[str] = []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if guard is not None:
             guard.uninstall()
-    if program and code:
-        _leave(code)
+    if program and code and not _PLUGIN_RAN:
+        _leave(code)  # (a plugin's ranks may return different codes: no collective then)
     return code
 
 
@@ -88,6 +89,7 @@ def _main(argv: list[str]) -> int:
                     con.error(problem)  # the launcher's rank 0 speaks, for all
                 return 1
         if args.command in PLUGINS:
+            _PLUGIN_RAN.append(args.command)
             return int(importlib.import_module(PLUGINS[args.command][0]).run(args) or 0)
         if args.command in _WORKING:
             from .steps import world_comm
