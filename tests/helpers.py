@@ -5,6 +5,7 @@
 ``run_group``    run a command in its own process group, killed whole on timeout
 ``whole``        every dataset and the root attributes of an HDF5 file
 ``bad_input``    write an input file with one named defect
+``dense_attention``  float64 attention of global arrays restricted to a dense visibility mask
 ``install_fake_cupy``  the fake CuPy of ``fake_cupy.py`` in ``sys.modules``, GPU caches emptied
 """
 
@@ -112,3 +113,33 @@ def install_fake_cupy(monkeypatch, **kw):
     monkeypatch.setattr(gpu, "_WARNED", set())
     monkeypatch.setattr(device, "_SAID", set())
     return fake_cupy.install(monkeypatch, **kw)
+
+
+def dense_attention(Q, K, V, vis, scale=None, dO=None):
+    """float64 ``(out, lse)`` (and with ``dO`` also ``(dq, dk, dv)``) of global arrays.
+
+    ``vis`` is bool, broadcastable to ``(B, 1, N, M)`` (True = visible); it is
+    shared by every head. Scores are materialised: for small test problems only.
+    Query head ``h`` uses key/value head ``h // (H // Hkv)``.
+    """
+    Q, K, V = (np.asarray(x, dtype=np.float64) for x in (Q, K, V))
+    B, H, N, E = Q.shape
+    G = H // K.shape[1]
+    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
+    s = 1 / np.sqrt(E) if scale is None else scale
+    v4 = np.broadcast_to(vis, (B, 1, N, K.shape[2]))
+    S = np.where(v4, s * Q @ Kr.swapaxes(-1, -2), -np.inf)
+    seen = v4.any(-1)
+    m = np.where(seen, S.max(-1, initial=-np.inf), 0.0)
+    Pe = np.where(v4, np.exp(S - m[..., None]), 0.0)
+    l = Pe.sum(-1)
+    Pm = Pe / np.where(seen, l, 1.0)[..., None]
+    out = Pm @ Vr
+    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+    if dO is None:
+        return out, lse
+    dO = np.asarray(dO, dtype=np.float64)
+    dP = dO @ Vr.swapaxes(-1, -2)
+    dS = Pm * (dP - (dP * Pm).sum(-1, keepdims=True))
+    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
+    return out, lse, s * dS @ Kr, fold(s * dS.swapaxes(-1, -2) @ Q), fold(Pm.swapaxes(-1, -2) @ dO)

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 import mpiattn
-from mpiattn import kernels
 from mpiattn.kernels import native
 
-from helpers import host
+from helpers import dense_attention, host
 
 STRATS = ["ring", "allgather", "ulysses", "materialized"]
 TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
@@ -21,35 +20,13 @@ TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
 
 def reference(Q, K, V, causal=False, scale=None, mask=None, dO=None):
     """float64 attention on global arrays: (out, lse) and, with dO, (dq, dk, dv)."""
-    Q, K, V = (np.asarray(x, dtype=np.float64) for x in (Q, K, V))
-    B, H, N, E = Q.shape
-    G = H // K.shape[1]
-    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
-    s = 1 / np.sqrt(E) if scale is None else scale
-    S = s * Q @ Kr.swapaxes(-1, -2)
-    visible = np.ones(S.shape, dtype=bool)
+    N, M = Q.shape[2], K.shape[2]
+    vis = np.ones((Q.shape[0], 1, N, M), dtype=bool)
     if causal:
-        visible &= np.arange(K.shape[2])[None, :] <= np.arange(N)[:, None]
+        vis &= np.arange(M)[None, :] <= np.arange(N)[:, None]
     if mask is not None:
-        visible &= ~mask[:, None, None, :]
-    S = np.where(visible, S, -np.inf)
-    any_vis = visible.any(-1)
-    m = np.where(any_vis, S.max(-1, initial=-np.inf), 0.0)
-    Pexp = np.where(visible, np.exp(S - m[..., None]), 0.0)
-    l = Pexp.sum(-1)
-    Pm = Pexp / np.where(any_vis, l, 1.0)[..., None]
-    out = Pm @ Vr
-    lse = np.where(any_vis, m + np.log(np.where(any_vis, l, 1.0)), -np.inf)
-    if dO is None:
-        return out, lse
-    dO = np.asarray(dO, dtype=np.float64)
-    dVr = Pm.swapaxes(-1, -2) @ dO
-    dP = dO @ Vr.swapaxes(-1, -2)
-    dS = Pm * (dP - (dP * Pm).sum(-1, keepdims=True))
-    dq = s * dS @ Kr
-    dKr = s * dS.swapaxes(-1, -2) @ Q
-    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
-    return out, lse, dq, fold(dKr), fold(dVr)
+        vis &= ~mask[:, None, None, :]
+    return dense_attention(Q, K, V, vis, scale, dO)
 
 
 def make_case(seed, B, H, Hkv, N, M, E, Ev, dtype, padding):

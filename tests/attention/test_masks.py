@@ -13,7 +13,7 @@ from mpiattn.comm.ring import row_pieces
 from mpiattn.kernels import native
 from mpiattn.layouts import all_segments, positions
 
-from helpers import host
+from helpers import dense_attention, host
 
 STRATS = ["ring", "allgather", "ulysses", "materialized"]
 
@@ -41,23 +41,7 @@ def visible_matrix(B, N, M, causal=False, window=None, seg_q=None, seg_k=None, p
 
 def reference(Q, K, V, dO, vis, scale=None):
     """float64 (out, lse, dq, dk, dv) of attention restricted to ``vis`` (B, N, M)."""
-    B, H, N, E = Q.shape
-    G = H // K.shape[1]
-    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
-    s = 1 / np.sqrt(E) if scale is None else scale
-    v4 = vis[:, None]
-    S = np.where(v4, s * Q @ Kr.swapaxes(-1, -2), -np.inf)
-    seen = v4.any(-1)
-    m = np.where(seen, S.max(-1, initial=-np.inf), 0.0)
-    Pe = np.where(v4, np.exp(S - m[..., None]), 0.0)
-    l = Pe.sum(-1)
-    Pm = Pe / np.where(seen, l, 1.0)[..., None]
-    out = Pm @ Vr
-    lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
-    dP = dO @ Vr.swapaxes(-1, -2)
-    dS = Pm * (dP - (dP * Pm).sum(-1, keepdims=True))
-    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
-    return out, lse, s * dS @ Kr, fold(s * dS.swapaxes(-1, -2) @ Q), fold(Pm.swapaxes(-1, -2) @ dO)
+    return dense_attention(Q, K, V, vis[:, None], scale, dO)
 
 
 # ------------------------------------------------------------------ inputs
