@@ -41,7 +41,7 @@ def test_local_choice_rule(monkeypatch):
     assert engines.local_choice("auto", "numpy", np.float16, 8, 8, ())[0] == "native"
     assert engines.local_choice("auto", "cupy", np.float32, 8, 8, ())[0] == "native"
     name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("window",))
-    assert name == "native" and "window" in why
+    assert name == "native" and ("window" in why or not have), why
     name, why = engines.local_choice("torch", "numpy", np.int32, 8, 8, ())
     assert name == "" and "int32" in why
     monkeypatch.delitem(sys.modules, "torch", raising=False)

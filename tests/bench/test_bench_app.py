@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from helpers import mpiexec, run_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +49,7 @@ def test_cli_launches_workers_and_saved_results_report_and_plot(serial_only, tmp
     rc, table, err = _py("-m", "mpiattn.bench.report", str(out))
     assert rc == 0, err
     assert "attention  float32" in table and "%idl" in table and "products" in table
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
     rc, text, err = _py("-m", "mpiattn.bench.plot", str(out), str(tmp_path / "plots"))
     assert rc == 0, err
     assert "time_vs_n.png" in text and os.path.getsize(tmp_path / "plots" / "time_vs_n.png") > 10000

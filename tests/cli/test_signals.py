@@ -79,9 +79,17 @@ def _digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def _launcher_is_hydra():
+    from mpi4py import MPI
+    return "MPICH" in MPI.Get_library_version().upper()
+
+
 @pytest.fixture
 def job_dir(serial_only, tmp_path, monkeypatch, capsys):
     """A directory with in.h5, an earlier out.h5 and the job script."""
+    if not _launcher_is_hydra():
+        pytest.skip("signal delivery is checked under MPICH's Hydra launcher; Open MPI's prterun "
+                    "ends the ranks itself (exit 1, no forwarding to the handlers): known gap")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8",
                      "--with-dout", "-q"]) == 0
