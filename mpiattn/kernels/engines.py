@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import importlib.util
 import logging
 import sys
 
@@ -122,6 +123,8 @@ def local_choice(requested: str, xp_name: str, dtype: Any, E: int, Ev: int,
     if requested == "native":
         return "native", "requested"
     if requested == "auto" and "torch" not in sys.modules:
+        if importlib.util.find_spec("torch") is None:
+            return "native", "auto: torch is not installed"
         return "native", "auto: torch is not imported (import torch, or pass engine='torch')"
     why = torch_engine.supports(xp_name, dtype, E, Ev, rules)
     if requested == "torch":
