@@ -4,7 +4,7 @@ An engine computes one rank's attention against one key/value block at a
 time; the strategies (:mod:`mpiattn.strategies`) bring the blocks. Two
 objects carry a call:
 
-``engine.forward(q, hkv, scale, acc_dtype, ev)`` -> ``f``
+``engine.forward(q, hkv, scale, acc_dtype, ev, finite)`` -> ``f``
     ``f.add(k, v, mask, tile)`` folds a block in (``mask`` a
     :class:`~mpiattn.kernels.masks.BlockMask`); ``f.result()`` returns
     ``out (B, H, n, Ev)`` and ``lse (B, H, n)`` in the accumulation dtype
@@ -95,8 +95,9 @@ class NativeEngine:
 
     name = "native"
 
-    def forward(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int) -> _NativeForward:
-        """Start a forward pass for queries ``q (B, H, n, E)``."""
+    def forward(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int,
+                finite: bool = False) -> _NativeForward:
+        """Start a forward pass for queries ``q (B, H, n, E)`` (NaN/Inf propagate by themselves)."""
         return _NativeForward(q, hkv, scale, acc_dtype, ev)
 
     def backward(self, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,

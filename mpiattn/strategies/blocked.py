@@ -112,7 +112,7 @@ _BLOCKS = {"ring": _ring_blocks, "allgather": _gather_blocks}
 def blocked_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
                     progress: Progress) -> tuple[Any, Any]:
     """Forward over every key/value block: ``out (B, H, n, Ev)``, ``lse (B, H, n)`` (accumulation dtype)."""
-    f = engines.get(pb.engine).forward(q, pb.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
+    f = engines.get(pb.engine).forward(q, pb.Hkv, pb.scale, pb.acc_dtype, pb.Ev, pb.finite)
     q_pos = pb.q_pos()
     total, blocks = _BLOCKS[pb.strategy](c, pb, k, v, mask)
     for i, b in enumerate(blocks):

@@ -39,7 +39,8 @@ class Problem:
     ``acc_dtype`` is the accumulation dtype (:func:`mpiattn.backend.accum_dtype`).
     ``block`` is the rows per exchanged key/value block, ``tile`` the edge of
     the native engine's score tile, ``engine`` the local engine every rank
-    agreed on (:mod:`mpiattn.kernels.engines`) and ``engine_reason`` why.
+    agreed on (:mod:`mpiattn.kernels.engines`) and ``engine_reason`` why;
+    ``finite`` says every rank's inputs were checked to hold no NaN or Inf.
     ``layout`` and ``kv_layout`` are the rows' layouts of queries and keys
     (names or :class:`mpiattn.Layout`), ``window`` the ``(left, right)``
     window or None, ``seg_q`` ``(B, N)`` and ``seg_k`` ``(B, M)`` the global
@@ -71,6 +72,7 @@ class Problem:
     window: tuple | None = None
     seg_q: Any = field(default=None, compare=False, repr=False)
     seg_k: Any = field(default=None, compare=False, repr=False)
+    finite: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_layout is None:
@@ -189,6 +191,8 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], 
         rows = engines.get(engine).block_rows(DEFAULT_BLOCK, row_bytes=row_bytes,
                                               max_rows=max(meta[3] for meta in metas))
         prob = replace(prob, block=int(rows))
+    if kw.get("check_finite"):  # every rank checked its inputs: engines need not look for NaN again
+        prob = replace(prob, finite=True)
     prepare(c, q, k, v)  # every rank is here, with the same backend
     return masking.complete(c, prob, [meta[11] for meta in metas], ids, kv_layout)
 

@@ -75,7 +75,7 @@ def ulysses_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
     bm = masking.block_mask(pb, np.arange(pb.N), np.arange(pb.M),
                             full_mask(c, pb, mask) if pb.masked else None)
     lp = _ulysses_local(pb)
-    f = engines.get(pb.engine).forward(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev)
+    f = engines.get(pb.engine).forward(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev, pb.finite)
     f.add(kh, vh, bm, pb.tile)
     report(progress, 1, 1)
     o, lse = f.result()
