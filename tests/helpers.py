@@ -3,6 +3,7 @@
 ``host``         any array as NumPy, for assertions
 ``mpiexec``      the launcher beside this Python (the venv's), else the one on PATH
 ``run_group``    run a command in its own process group, killed whole on timeout
+``finish_group``  wait for such a process group, killed whole on timeout
 ``whole``        every dataset and the root attributes of an HDF5 file
 ``bad_input``    write an input file with one named defect
 ``dense_attention``  float64 attention of global arrays restricted to a dense visibility mask
@@ -38,12 +39,18 @@ def run_group(cmd, timeout, **kw):
     """
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, **kw)
+    return finish_group(p, timeout, f"{cmd} ran over {timeout} s and was killed")
+
+
+def finish_group(p, timeout, what):
+    """Wait for a process started with ``start_new_session=True``; past ``timeout`` kill its
+    whole group and fail with ``what`` and its output. Returns ``(returncode, stdout, stderr)``."""
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        pytest.fail(f"{cmd} ran over {timeout} s and was killed:\n{out}\n{err}")
+        pytest.fail(f"{what}:\n{out}\n{err}")
     return p.returncode, out, err
 
 

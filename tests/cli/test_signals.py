@@ -21,7 +21,7 @@ import time
 import pytest
 
 from mpiattn import cli
-from helpers import mpiexec
+from helpers import finish_group, mpiexec
 
 LIMIT_S = 120
 JOB = textwrap.dedent("""
@@ -127,13 +127,7 @@ def _wait_for(p, d, names, temporary):
 
 
 def _finish(p):
-    try:
-        out, err = p.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"the job did not end after the signal:\n{out}\n{err}")
-    return p.returncode, out, err
+    return finish_group(p, LIMIT_S, "the job did not end after the signal")
 
 
 def _pids(d, ranks):
