@@ -124,9 +124,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, causal: bool = False,
         The local kernel engine (:mod:`mpiattn.kernels.engines`): ``native``
         (mpiattn's own kernels, every case), ``torch`` (torch's fused
         kernels: NumPy float16/32/64 or CuPy float16/32, causal and padding
-        masks), ``auto`` (torch where it is installed and supports the case
-        on NumPy float32/float64 inputs, else native). Every rank uses the
-        same engine.
+        masks), ``auto`` (torch on NumPy float32/float64 inputs when torch
+        is already imported in the process and supports the case, else
+        native). Every rank uses the same engine.
     details : dict, optional
         Filled with what was used: ``strategy``, ``engine``, ``engine_reason``,
         ``block_size`` (rows per exchanged key/value block).
