@@ -82,6 +82,30 @@ def test_errors_are_printed_once_with_exit_codes(serial_only, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_an_agreed_error_exits_1_every_time(serial_only, tmp_path):
+    """No rank may be killed by the launcher on the way out: the job's code stays 1, never 9.
+
+    (Hydra kills the ranks still running when one leaves without finalizing
+    MPI; with Debian's MPICH 4.0.2 about one launch in eight ended with 9
+    while every rank skipped its normal exit.)
+    """
+    for _ in range(6):
+        p = launch(4, "run", "missing.h5", "-o", "y.h5", cwd=tmp_path)
+        assert p.returncode == 1 and "BAD TERMINATION" not in p.stdout, p.stdout + p.stderr
+
+
+def test_open_hdf5_files_are_told_from_h5pys_own_objects(tmp_path):
+    """What decides an ``os._exit``: files and what lives in them, not h5py's open datatypes."""
+    from mpiattn.cli.main import _hdf5_holds_files
+
+    assert h5py.h5f.get_obj_count() > 0  # (h5py's own datatypes: why the plain count is wrong)
+    assert not _hdf5_holds_files(h5py)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f.create_dataset("x", data=np.zeros(3))
+        assert _hdf5_holds_files(h5py)
+    assert not _hdf5_holds_files(h5py)
+
+
 def test_a_failure_on_one_rank_ends_the_job(serial_only, tmp_path):
     """A bug that strikes one rank only (no agreed error) aborts the job instead of hanging it."""
     script = tmp_path / "bug.py"
