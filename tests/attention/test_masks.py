@@ -206,7 +206,6 @@ def test_fully_masked_rows(comm, xp, strategy):
 
 def test_mqa_gqa_low_precision_and_cupy_ids(comm, xp):
     """float32, GQA (H = 3 Hkv), ids given on the array backend, window with documents."""
-    P = comm.size
     B, H, Hkv, N = 2, 3, 1, 30
     Q, K, V, dO = case(9, B, H, Hkv, N)
     seg = documents(B, N, 2, lengths=(3, 7, 11))
@@ -218,6 +217,8 @@ def test_mqa_gqa_low_precision_and_cupy_ids(comm, xp):
     ref = reference(Q, K, V, dO, vis)
     got = host(mpiattn.gather(out, root=None))
     np.testing.assert_allclose(got, ref[0], rtol=2e-5, atol=2e-5)
+    got_lse = host(mpiattn.gather(lse, axis=-1, root=None))
+    np.testing.assert_allclose(got_lse, ref[1], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])

@@ -6,15 +6,12 @@ the test instead of blocking the suite. Kept to about ten short launches.
 """
 
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
 
 import h5py
 import numpy as np
-import pytest
 
 from mpiattn.cli.check import exact_attention as reference
 from helpers import mpiexec, run_group, whole
