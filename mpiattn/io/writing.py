@@ -14,6 +14,7 @@ Datasets are chunked along the sequence axis (chunks of about 1 MiB).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..comm.core import Comm, get_comm
 from ..layouts import all_segments, check_layout, describe, local_length
-from .atomic import write_atomically
+from .atomic import NoSpaceError, write_atomically
 from .reading import parallel_hdf5
 
 __all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
@@ -218,13 +219,16 @@ def _write_serial(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
 
 
 def _write_parallel(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
-                    segs_of: Callable[[Rows], list], attrs: Mapping[str, Any]) -> None:
+                    segs_of: Callable[[Rows], list], attrs: Mapping[str, Any],
+                    path: str = "") -> None:
     """All ranks open the file with the mpio driver; collective creates and writes.
 
     A rank failing inside these collective calls would leave the others
     waiting in HDF5 forever, and closing the file is itself collective, so a
     failing rank removes the temporary file and aborts the job without
-    closing it (with one rank the error is raised normally).
+    closing it (with one rank the error is raised normally). An HDF5 error
+    is told as what it is (:func:`_write_error`), so the abort prints one
+    plain line, not an h5py traceback.
     """
     import h5py
 
@@ -233,15 +237,38 @@ def _write_parallel(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
         try:
             _create(f, meta, attrs)
             _write_slabs(f, datasets, segs_of, collective=True)
-        except BaseException:
+        except BaseException as exc:
             try:  # leave no partial file behind; no close (collective)
                 os.remove(tmp)
             except FileNotFoundError:  # another failing rank was quicker
                 pass
             if c.size == 1:
                 f.close()
-            raise
+            told = _write_error(exc, path or tmp)
+            if told is None:
+                raise
+            raise told from exc
         f.close()
+
+
+def _write_error(exc: BaseException, path: str) -> OSError | None:
+    """The failure of an HDF5 call while writing ``path`` as an OSError (None: not HDF5's).
+
+    h5py reports a failed collective write as a ValueError or RuntimeError
+    whose text carries the MPI-IO error ("No space left on device" for a
+    full disk). Only exceptions raised inside h5py are translated; anything
+    else (a bug) keeps its type and traceback.
+    """
+    tb, inside = exc.__traceback__, False
+    while tb is not None:
+        inside = inside or "h5py" in tb.tb_frame.f_code.co_filename.split(os.sep)[:-1]
+        tb = tb.tb_next
+    if not inside or not isinstance(exc, Exception):
+        return None
+    if "No space left on device" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+        return NoSpaceError(f"the disk filled up while writing {path} (No space left on "
+                            f"device); nothing was written under that name")
+    return OSError(errno.EIO, f"writing {path} with parallel HDF5 failed: {exc}")
 
 
 def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
@@ -286,8 +313,10 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
         return all_segments(rows.length, c.size, layout if rows.layout is None else rows.layout)[c.rank]
 
     def write(tmp: str) -> None:
-        writer = _write_parallel if parallel_hdf5() else _write_serial
-        writer(c, tmp, metas[0], datasets, segs_of, attrs)
+        if parallel_hdf5():
+            _write_parallel(c, tmp, metas[0], datasets, segs_of, attrs, path)
+        else:
+            _write_serial(c, tmp, metas[0], datasets, segs_of, attrs)
 
     write_atomically(c, path, write, force=force, nbytes=data_bytes(metas[0]))
 
