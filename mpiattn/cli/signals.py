@@ -18,11 +18,19 @@ ends the process whatever the main thread is doing:
    code ``128 + signal number``; Hydra's ``mpiexec`` and ``srun`` pass it
    on); another rank first waits :data:`mpiattn.comm.errors.DEFER_S`
    seconds, since when every rank got the signal rank 0's abort ends it
-   silently, and only a rank signalled alone speaks and aborts;
+   silently, and only a rank signalled alone speaks and aborts (under Open
+   MPI rank 0 too waits, :data:`CASCADE_S`);
 3. no Python or C exit handler runs (:func:`mpiattn.comm.errors.abort_job`):
    no HDF5 collective after an abort.
 
 No collective is ever started from here.
+
+Open MPI's ``mpirun``/``prterun`` does not forward SIGINT or SIGTERM: it
+ends its ranks itself (SIGCONT, SIGTERM, SIGKILL within about half a
+second) and stops relaying their output first. Step 1 still runs (the
+temporary file is removed), but the message is lost and the job's exit code
+is prterun's 1. Under ``srun`` (SLURM sends every task the signal, then
+waits ``KillWait`` seconds) and Hydra all three steps run.
 """
 
 from __future__ import annotations
@@ -41,6 +49,13 @@ __all__ = ["SIGNALS", "Guard", "install", "set_phase"]
 #: The signals that end a run cleanly.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+#: Seconds rank 0 waits before it speaks when Open MPI launched the job. When
+#: one rank aborts, Open MPI's prterun ends the others with SIGCONT, then
+#: SIGTERM, then SIGKILL, about 0.25 s apart (Open MPI 5.0.11, PRRTE 3.0.11):
+#: rank 0 would report that SIGTERM as if it were the user's signal; waiting,
+#: it is killed silently, and a signal meant for it alone is reported late.
+CASCADE_S = 1.0
+
 _PHASE = ["while starting"]
 
 
@@ -51,6 +66,11 @@ def set_phase(text: str) -> None:
 
 def _ignore(signum: int, frame: Any) -> None:
     """The Python-level handler: the watcher thread does the work."""
+
+
+def _open_mpi_launch() -> bool:
+    """True when Open MPI's launcher (prterun/mpirun, or ``srun`` with Open MPI) started us."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ
 
 
 def _world() -> tuple[Any, int, int]:
@@ -96,6 +116,8 @@ class Guard:
         world, rank, size = _world()
         if rank != 0 and size > 1:
             time.sleep(errors.DEFER_S)  # rank 0, when signalled too, ends the job meanwhile
+        elif size > 1 and _open_mpi_launch():
+            time.sleep(CASCADE_S)  # a SIGTERM sent by prterun to end an aborting job: SIGKILL follows
         name = signal.Signals(signum).name
         gone = [os.path.basename(p) for p in pending if not os.path.lexists(p)]
         done = f"removed {', '.join(gone)}" if gone else "no temporary file was open"

@@ -87,9 +87,6 @@ def _launcher_is_hydra():
 @pytest.fixture
 def job_dir(serial_only, tmp_path, monkeypatch, capsys):
     """A directory with in.h5, an earlier out.h5 and the job script."""
-    if not _launcher_is_hydra():
-        pytest.skip("signal delivery is checked under MPICH's Hydra launcher; Open MPI's prterun "
-                    "ends the ranks itself (exit 1, no forwarding to the handlers): known gap")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8",
                      "--with-dout", "-q"]) == 0
@@ -181,11 +178,18 @@ def test_signal_ends_the_job_cleanly(job_dir, ranks, phase, sig, whom):
     else:
         os.kill(pids[whom], sig)
     code, out, err = _finish(p)
-    assert code == 128 + sig, (code, out, err)
     lines = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn:")]
-    assert len(lines) == 1 and sig.name in lines[0], out + err
-    if phase == "write":
-        assert "removed .out.h5.mpiattn-" in lines[0] and "while writing" in lines[0]
+    if whom == "launcher" and ranks and not _launcher_is_hydra():
+        # Open MPI's prterun ends its ranks itself (SIGCONT, SIGTERM, SIGKILL within about half
+        # a second) after it stopped relaying their output: no message, exit code 1. What must
+        # still hold: the temporary file removed, every rank gone, the earlier output kept.
+        assert code in (1, 128 + sig), (code, out, err)
+        assert len(lines) <= 1, out + err
+    else:
+        assert code == 128 + sig, (code, out, err)
+        assert len(lines) == 1 and sig.name in lines[0], out + err
+        if phase == "write":
+            assert "removed .out.h5.mpiattn-" in lines[0] and "while writing" in lines[0]
     assert _all_gone(pids), "a rank outlived the job"
     assert _temporaries(job_dir) == []
     assert _digest(job_dir / "out.h5") == before  # the earlier output, untouched
@@ -200,6 +204,11 @@ def test_killed_writer_leaves_a_temporary_the_next_run_removes(job_dir, capsys):
     assert code != 0
     assert _all_gone(_pids(job_dir, 2))
     left = _temporaries(job_dir)
+    assert _digest(job_dir / "out.h5") == before
+    if not _launcher_is_hydra() and not left:
+        # Open MPI's prterun ends the surviving rank with SIGTERM (Hydra uses SIGKILL): its
+        # handler removed the dead writer's temporary file (every rank knows the name).
+        return
     assert len(left) == 2 and left[0].endswith(".tmp") and left[1].endswith(".tmp.lock"), left
     assert _digest(job_dir / "out.h5") == before
     assert cli.main(["run", "in.h5", "-o", "other.h5", "--threads", "1", "--engine", "native"]) == 0
@@ -225,7 +234,7 @@ def test_clean_keeps_a_live_writer_and_removes_a_dead_one(job_dir, capsys):
     finally:
         os.kill(p.pid, signal.SIGTERM)
         code, _, _ = _finish(p)
-    assert code == 128 + signal.SIGTERM
+    assert code == 128 + signal.SIGTERM or (code == 1 and not _launcher_is_hydra())  # (prterun: 1)
     assert _temporaries(job_dir) == []
     assert cli.main(["clean", str(job_dir)]) == 0
     assert "no mpiattn temporary files" in capsys.readouterr().out
