@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI lane "slurm": a one-node SLURM cluster on localhost (apt slurm-wlm munge, configured and
-# run in a temporary directory, daemons stopped at the end whatever happens). It submits
-# jobs/slurm.sbatch with DEVICE=cpu at small sizes with the main .venv (pip's MPICH), waits
+# run in a temporary directory, daemons stopped at the end whatever happens). Job 0 checks the
+# launch check inside a batch script: a singleton, mpiexec and srun pass, srun --mpi=none is
+# stopped with one message that names the fix. Then it submits jobs/slurm.sbatch with DEVICE=cpu at small sizes with the main .venv (pip's MPICH), waits
 # for it and checks its exit state and outputs; then submits a bigger job that writes over
 # the first job's output, scancels it while it writes, and checks that no temporary file is
 # left behind, that the first job's files are unchanged and that the job removed its input.
@@ -152,6 +153,28 @@ W=$D/work
 # CPUs only, the main .venv's Python, files in $W.
 SUBMIT=(sbatch --parsable --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 --chdir="$W" --output="$W/job-%j.out")
 COMMON="ALL,DEVICE=cpu,PYTHON=$PY,WORKDIR=$W,CHECK_SEQ=64"
+
+step "job 0: the launch check inside a batch script (singleton, mpiexec, srun, srun --mpi=none)"
+# What the batch step itself exports (is SLURM_STEP_NUM_TASKS set there?), and that the check
+# of the ranks' count lets each right launch through and stops the broken one with its fix.
+cat >"$D/launch.sh" <<EOF
+#!/bin/bash
+env | grep -E '^SLURM_(STEP_NUM_TASKS|NTASKS|STEP_ID)=' | sort | sed 's/^/batch step: /'
+"$PY" -m mpiattn info >/dev/null; echo "singleton in the batch step: exit \$?"
+"$ROOT/.venv/bin/mpiexec" -n 2 "$PY" -m mpiattn info >/dev/null; echo "mpiexec -n 2: exit \$?"
+srun -n 2 "$PY" -m mpiattn info >/dev/null; echo "srun -n 2: exit \$?"
+srun --mpi=none -n 2 "$PY" -m mpiattn info >/dev/null; echo "srun --mpi=none -n 2: exit \$?"
+EOF
+J0=$("${SUBMIT[@]}" "$D/launch.sh") || verdict FAIL "sbatch of job 0 was refused"
+st=$(wait_job "$J0" 180)
+echo "job 0 (SLURM job $J0): $st"
+cat "$W/job-$J0.out"
+for want in "singleton in the batch step: exit 0" "mpiexec -n 2: exit 0" "srun -n 2: exit 0" \
+            "srun --mpi=none -n 2: exit 1" "Fix: "; do
+    grep -q "$want" "$W/job-$J0.out" || verdict FAIL "job 0's log lacks '$want'"
+done
+[[ $(grep -c "each one's MPI sees only itself" "$W/job-$J0.out") == 1 ]] \
+    || verdict FAIL "job 0: srun --mpi=none was not stopped with one message"
 
 step "job 1: jobs/slurm.sbatch, DEVICE=cpu, small"
 J1=$("${SUBMIT[@]}" --export="$COMMON,SEQ=512,DIM=16,HEADS=2,KV_HEADS=1" jobs/slurm.sbatch) \

@@ -66,7 +66,10 @@ def launch_problem(size: int, env: Mapping[str, str] | None = None) -> str | Non
 
     ``OMPI_COMM_WORLD_SIZE`` and ``PMI_SIZE`` come from the MPI launcher
     itself and win over ``SLURM_STEP_NUM_TASKS`` (``mpiexec`` inside an
-    allocation starts its proxies with ``srun``: one task per node).
+    allocation starts its proxies with ``srun``: one task per node). The
+    batch step itself exports no ``SLURM_STEP_NUM_TASKS`` (only
+    ``SLURM_NTASKS``; SLURM 22.05, checked by the CI lane ``slurm``), so a
+    program started directly in a batch script is a plain singleton.
     """
     env = os.environ if env is None else env
     found = _announced(env)
