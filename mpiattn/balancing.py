@@ -11,9 +11,16 @@ rank and (nearly) the same number of rows on every rank.
 Pure arithmetic on host arrays (NumPy only, no communication): every rank
 computes the same layout from the same arguments.
 
+Given the kernels' tile size (``block_size``), :func:`balance` counts work
+as the kernels pay it: a tile of ``block_size`` query rows by
+``block_size`` key rows costs the same whether one or all of its pairs are
+visible, and one with none is skipped. The layout's ranges are then cut at
+multiples of ``block_size``, so every rank's tiles are the global tiles.
+
 Also here: :func:`segment_ids_from_cu_seqlens` (FlashAttention-style
-cumulative lengths -> document ids), :func:`row_work` and :func:`rank_work`
-(the cost model, for reports and tests), and :func:`check_window`.
+cumulative lengths -> document ids), :func:`row_work`, :func:`tile_work`
+and :func:`rank_work` (the cost model, for reports and tests), and
+:func:`check_window`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from .layouts import Layout, all_segments, check_layout, positions, split_sizes
 
-__all__ = ["balance", "row_work", "rank_work", "segment_ids_from_cu_seqlens", "check_window",
+__all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens", "check_window",
            "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
 
 #: A candidate layout whose largest rank work is within this factor of the mean is taken.
@@ -134,14 +141,7 @@ def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: A
     ``O(B n)`` memory.
     """
     n = operator.index(n)
-    w = check_window(window)
-    left, right = w if w is not None else (None, None)
-    lo = -n if left is None else -left
-    hi = n if right is None else right
-    if causal:
-        hi = min(hi, 0)
-    i = np.arange(n, dtype=np.int64)
-    jlo, jhi = np.maximum(i + lo, 0), np.minimum(i + hi, n - 1)
+    jlo, jhi = _band(n, causal, window)
     seg = _segments_2d(segment_ids, n)
     if seg is None:
         return np.maximum(jhi - jlo + 1, 0)
@@ -157,6 +157,100 @@ def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: A
         b = np.searchsorted(code, g * (n + 1) + jhi, side="right")
         out += np.maximum(b - a, 0)
     return out
+
+
+def _band(n: int, causal: bool, window: Any) -> tuple[np.ndarray, np.ndarray]:
+    """For every query row ``i``: the keys ``jlo[i]..jhi[i]`` that causal and the window allow."""
+    w = check_window(window)
+    left, right = w if w is not None else (None, None)
+    lo = -n if left is None else -left
+    hi = n if right is None else right
+    if causal:
+        hi = min(hi, 0)
+    i = np.arange(n, dtype=np.int64)
+    return np.maximum(i + lo, 0), np.minimum(i + hi, n - 1)
+
+
+def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int) -> np.ndarray:
+    """Per query block: how many distinct key blocks the intervals ``bl[k]..br[k]`` of its rows touch.
+
+    Sorted by (query block, start), an interval adds the blocks past the
+    largest end seen so far in its query block (all earlier intervals start
+    at or before it, so what they cover from its start on is one run).
+    """
+    order = np.lexsort((bl, qb))
+    qb, bl, br = qb[order], bl[order], br[order]
+    shift = qb * (nb + 1)  # larger than any end of an earlier query block: the running max restarts
+    run = np.maximum.accumulate(br + shift) - shift
+    prev = np.full(qb.size, -1, dtype=np.int64)
+    same = qb[1:] == qb[:-1]
+    prev[1:][same] = run[:-1][same]
+    new = np.maximum(br - np.maximum(bl - 1, prev), 0)
+    return np.bincount(qb, weights=new, minlength=nb).astype(np.int64)
+
+
+def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = None,
+              segment_ids: Any = None) -> np.ndarray | None:
+    """Visible tiles of every block of ``block_size`` query rows, summed over the batch.
+
+    Tiles are the global blocks ``[a T, (a + 1) T) x [b T, (b + 1) T)``
+    (``T = block_size``; the last block may be shorter); a tile counts when
+    at least one of its pairs is visible.
+
+    Parameters
+    ----------
+    n : int
+    block_size : int
+        ``T``, the kernels' tile rows, ``>= 1``.
+    causal, window, segment_ids
+        As in :func:`balance`.
+
+    Returns
+    -------
+    numpy.ndarray, shape (ceil(n / T),), int64, or None
+        None when some document id occupies rows that are not consecutive
+        (the count is then not computed; :func:`balance` falls back to
+        visible pairs).
+
+    Notes
+    -----
+    With consecutive documents the keys a query sees form one interval, so
+    a query block touches the union of its rows' intervals: ``O(B n log n)``
+    time, ``O(B n)`` memory.
+    """
+    n, T = operator.index(n), _check_block(block_size)
+    nb = -(-n // T) if n else 0
+    jlo, jhi = _band(n, causal, window)
+    seg = _segments_2d(segment_ids, n)
+    rows = [None] if seg is None else list(seg)
+    out = np.zeros(nb, dtype=np.int64)
+    i = np.arange(n, dtype=np.int64)
+    for row in rows:
+        lo, hi = jlo, jhi
+        if row is not None:
+            change = np.flatnonzero(row[1:] != row[:-1]) + 1
+            starts = np.concatenate(([0], change)).astype(np.int64)
+            if np.unique(row).size != starts.size:
+                return None  # an id in more than one run of rows
+            stops = np.concatenate((change, [n])).astype(np.int64) - 1
+            run = np.repeat(np.arange(starts.size), np.diff(np.concatenate((starts, [n]))))
+            lo, hi = np.maximum(jlo, starts[run]), np.minimum(jhi, stops[run])
+        keep = lo <= hi
+        if keep.any():
+            out += _new_blocks(i[keep] // T, lo[keep] // T, hi[keep] // T, nb)
+    return out
+
+
+def _check_block(block_size: Any) -> int:
+    if isinstance(block_size, (bool, np.bool_)):
+        raise TypeError(f"block_size must be an integer >= 1, got {block_size!r}")
+    try:
+        T = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"block_size must be an integer >= 1, got {block_size!r}") from None
+    if T < 1:
+        raise ValueError(f"block_size must be >= 1, got {T}")
+    return int(T)
 
 
 def rank_work(layout: Any, n: int, size: int, *, causal: bool = False, window: Any = None,
@@ -210,7 +304,7 @@ def _assign(work: np.ndarray, size: int, per: int) -> list[list[int]]:
 
 
 def _chunked(prefix: np.ndarray, n: int, size: int, per: int) -> tuple[list, int]:
-    """Equal-row chunks, ``per`` per rank, assigned by work: (ranges per rank, largest load)."""
+    """Equal chunks of ``n`` units, ``per`` per rank, assigned by work: (ranges per rank, largest load)."""
     sizes = split_sizes(n, size * per)
     starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     work = prefix[starts[1:]] - prefix[starts[:-1]]
@@ -246,7 +340,7 @@ def _linear(prefix: np.ndarray, n: int, size: int) -> tuple[list, int]:
 
 
 def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
-            segment_ids: Any = None) -> Layout:
+            segment_ids: Any = None, block_size: int | None = None) -> Layout:
     """A layout of ``n`` rows over ``size`` ranks with an equal share of visible pairs on every rank.
 
     Parameters
@@ -261,6 +355,13 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
         Only keys ``i - left <= j <= i + right`` (None: unbounded side).
     segment_ids : integer array_like, shape (N,) or (B, N), optional
         Document ids; with ``(B, N)`` the work of every batch entry counts.
+    block_size : int, optional
+        The tile rows of the kernels that will run on the layout (the
+        ``block_size`` passed to :func:`mpiattn.attention`, by default
+        :data:`mpiattn.strategies.DEFAULT_BLOCK`). Given, the work is the
+        visible tiles (:func:`tile_work`) and every range starts and ends at
+        a multiple of ``block_size`` (or at ``n``); None (default): the
+        visible pairs (:func:`row_work`), ranges cut at any row.
 
     Returns
     -------
@@ -290,6 +391,11 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
     load. With ``c = 2`` and plain causal attention this is the zigzag
     layout. Adjacent chunks of a rank merge into one range.
 
+    With ``block_size`` the same runs on blocks of ``block_size`` rows
+    instead of rows (chunks of at least one block), weighted by visible
+    tiles; where some document is not one run of consecutive rows, by the
+    visible pairs of each block.
+
     Cost: ``O(B n log n)`` for the work, ``O(C^2 log C + P c^2 C)`` for the
     assignments (``C = c P`` chunks), ``O(B n)`` memory; deterministic and
     local, so every rank computes the same layout without communicating.
@@ -301,22 +407,41 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
         raise ValueError(f"balance needs size >= 1 ranks, got {size}")
     if n < 0:
         raise ValueError(f"balance needs n >= 0 rows, got {n}")
-    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids)
+    kw = dict(causal=causal, window=window, segment_ids=segment_ids)
+    if block_size is None:
+        unit, w = 1, row_work(n, **kw)
+    else:
+        unit = _check_block(block_size)
+        w = tile_work(n, unit, **kw)
+        if w is None:  # a document in several runs: the pairs of each block
+            pairs = np.concatenate(([0], np.cumsum(row_work(n, **kw))))
+            edges = np.minimum(np.arange(0, n + unit, unit), n)[: -(-n // unit) + 1]
+            w = np.diff(pairs[edges])
+    units = w.size
     prefix = np.concatenate(([0], np.cumsum(w))).astype(np.int64)
     goal = TARGET * int(prefix[-1]) / size
+    min_chunk = max(1, MIN_CHUNK // unit)
     tried = []
     per = 1
-    while per <= MAX_CHUNKS_PER_RANK and (per <= 2 or n // (per * size) >= MIN_CHUNK):
-        tried.append(_chunked(prefix, n, size, per))
+    while per <= MAX_CHUNKS_PER_RANK and (per <= 2 or units // (per * size) >= min_chunk):
+        tried.append(_chunked(prefix, units, size, per))
         if tried[-1][1] <= goal:
-            return Layout(_merge(tried[-1][0]))
+            return Layout(_merge(_rows(tried[-1][0], unit, n)))
         if per == 2:  # before more ranges: one range per rank, if its rows stay near even
-            ranges, top = _linear(prefix, n, size)
-            tried.append((ranges, top))
-            if top <= goal and max(r[0][1] - r[0][0] for r in ranges) <= ROW_SLACK * n / size:
+            tried.append(_linear(prefix, units, size))
+            ranges = _rows(tried[-1][0], unit, n)
+            if tried[-1][1] <= goal and max(r[0][1] - r[0][0] for r in ranges) <= ROW_SLACK * n / size:
                 return Layout(ranges)
         per *= 2
-    return Layout(_merge(min(tried, key=lambda t: t[1])[0]))
+    return Layout(_merge(_rows(min(tried, key=lambda t: t[1])[0], unit, n)))
+
+
+def _rows(ranges: list, unit: int, n: int) -> list:
+    """Ranges of blocks of ``unit`` rows -> ranges of rows (the last block ends at ``n``)."""
+    if unit == 1:
+        return ranges
+    return [[(min(a * unit, n), min(b * unit, n)) for a, b in rs] for rs in ranges]
+
 
 
 def _merge(ranges: list) -> list:

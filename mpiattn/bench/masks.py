@@ -15,7 +15,9 @@ Prepared, not yet run on a quiet machine (no numbers are committed). Two parts:
     pairs (causal).
 ``balance`` (under ``mpiexec -n P``, P = 2 for the issue)
     Causal packed documents through the ring with the ``balanced``
-    (:func:`mpiattn.balance`), ``contiguous`` and ``zigzag`` layouts. The
+    (:func:`mpiattn.balance` counting visible tiles of ``--block`` rows),
+    ``balanced-pairs`` (the same counting visible pairs), ``contiguous``
+    and ``zigzag`` layouts. The
     per-rank *compute* time is the time spent inside the native kernel calls
     (:func:`mpiattn.kernels.native.forward_block`, wrapped with a timer), so
     waiting for a neighbour does not count; printed per rank with the spread
@@ -139,7 +141,8 @@ def balance_part(args: argparse.Namespace, emit) -> None:
     c = get_comm()
     n, P = args.n, c.size
     seg = documents(n, args.mean_doc, seed=1)
-    layouts = {"balanced": balancing.balance(n, P, causal=True, segment_ids=seg),
+    layouts = {"balanced": balancing.balance(n, P, causal=True, segment_ids=seg, block_size=args.block),
+               "balanced-pairs": balancing.balance(n, P, causal=True, segment_ids=seg),
                "contiguous": "contiguous", "zigzag": "zigzag"}
     for name, layout in layouts.items():
         q, k, v, _ = _inputs(n, layout)

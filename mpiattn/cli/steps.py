@@ -303,9 +303,10 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -
     """The layouts of the query and the key rows: ``--layout``, ``auto`` resolved, ``balanced`` computed.
 
     ``balanced``: :func:`mpiattn.balance` of the file's queries from the
-    causal flag, the window and ``segment_ids`` (read whole by rank 0 and
-    broadcast, so every rank computes the same layout); the keys share it
-    when ``M == N``, else they are contiguous.
+    causal flag, the window, ``segment_ids`` (read whole by rank 0 and
+    broadcast, so every rank computes the same layout) and the tile rows
+    (``--block-size``, else the library's default), counting visible
+    tiles; the keys share it when ``M == N``, else they are contiguous.
     """
     if args.layout != "balanced":
         lay = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
@@ -313,7 +314,8 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -
     with agreed():
         shapes, ids = io.reading.read_whole(path, "segment_ids", c)
         N, M = shapes["q"][2], shapes["k"][2]
-        lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids)
+        lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids,
+                      block_size=args.block_size or DEFAULT_BLOCK)
     return lay, (lay if M == N else "contiguous")
 
 

@@ -76,8 +76,9 @@ def make_layout(kind, n, P, mask_kw=None):
     if kind == "shuffled":
         return shuffled_layout(n, P, seed=n)
     kw = dict(mask_kw or {})
+    tiles = dict(block_size=3) if kind == "balanced-tiles" else {}  # (the tests' block_size)
     return mpiattn.balance(n, P, causal=kw.get("causal", False), window=kw.get("window"),
-                           segment_ids=kw.get("segment_ids"))
+                           segment_ids=kw.get("segment_ids"), **tiles)
 
 
 def case(seed, B=2, H=2, Hkv=1, N=23, M=None, E=4, Ev=3):
@@ -143,13 +144,15 @@ def mask_args(name, B, N, seed=0):
 
 # ------------------------------------------------------------------ correctness
 @pytest.mark.parametrize("strategy", STRATS)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "shuffled", "balanced"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "shuffled", "balanced", "balanced-tiles"])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_matches_dense_reference(comm, xp, strategy, layout, mask):
     P = comm.size
     B, H, Hkv, N = 2, 2 * P, P, 23
     if not usable(strategy, comm, H, Hkv):
         pytest.skip("ulysses needs H, Hkv divisible by P")
+    if layout == "balanced-tiles" and strategy != "ring":
+        pytest.skip("the tile-aligned balance is checked with the ring, whose tiles it aligns")
     Q, K, V, dO = case(3, B, H, Hkv, N)
     kw, seg, pad = mask_args(mask, B, N)
     lay = make_layout(layout, N, P, dict(kw, segment_ids=seg))
