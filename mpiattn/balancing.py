@@ -443,7 +443,6 @@ def _rows(ranges: list, unit: int, n: int) -> list:
     return [[(min(a * unit, n), min(b * unit, n)) for a, b in rs] for rs in ranges]
 
 
-
 def _merge(ranges: list) -> list:
     """Adjacent ranges of a rank (``stop == next start``) as one."""
     out = []

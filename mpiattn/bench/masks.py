@@ -1,6 +1,6 @@
 """Benchmarks of issue 12: sliding windows, packed documents and balanced layouts.
 
-Prepared, not yet run on a quiet machine (no numbers are committed). Two parts:
+The measured numbers and their commands are in ``benchmarks/masks/``. Two parts:
 
 ``single`` (one process, P = 1)
     N = 32k, H = 1, E = 64, float32, causal, native engine, forward (and with

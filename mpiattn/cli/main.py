@@ -125,9 +125,9 @@ def _leave(code: int) -> None:
     shutdown, which finalizes MPI and runs the MPI library's own exit
     handlers: Hydra (MPICH's ``mpiexec``) kills the ranks still running when
     one leaves without them, and a rank killed that way turns the job's
-    exit code into 9 (seen with Debian's MPICH 4.0.2, 4 ranks on 2 cores,
-    about one run in eight, while the count above still included the
-    datatypes h5py keeps open from its import on).
+    exit code into 9. (Seen with Debian's MPICH 4.0.2, 4 ranks on 2 cores,
+    in about one run in eight, while the check counted h5py's own open
+    datatypes as held objects and so every failed run took ``os._exit``.)
     """
     from mpi4py import MPI
 

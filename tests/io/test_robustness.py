@@ -156,3 +156,31 @@ def test_remove_registered_is_what_a_signal_handler_calls(serial_only, tmp_path)
     finally:
         temporaries.unregister(tmp)
         tmp.close()
+
+
+def _raised_in(filename, exc):
+    """``exc`` raised from code compiled as ``filename`` (its traceback shows that file)."""
+    scope = {"exc": exc}
+    exec(compile("def fail():\n    raise exc\n", filename, "exec"), scope)
+    try:
+        scope["fail"]()
+    except BaseException as caught:  # noqa: BLE001
+        return caught
+
+
+def test_a_failed_collective_write_is_told_as_an_os_error(serial_only):
+    """h5py's ValueError for a full disk -> NoSpaceError; other h5py errors -> OSError; ours kept."""
+    from mpiattn.io.writing import _write_error
+
+    inside = os.path.join(os.sep, "site-packages", "h5py", "_hl", "dataset.py")
+    full = _raised_in(inside, ValueError("Unable to create dataset (MPI_File_write_at_all failed: "
+                                         "Other I/O error No space left on device)"))
+    told = _write_error(full, "/d/out.h5")
+    assert isinstance(told, atomic.NoSpaceError) and told.errno == errno.ENOSPC
+    assert str(told) == ("the disk filled up while writing /d/out.h5 (No space left on device); "
+                         "nothing was written under that name")
+    other = _write_error(_raised_in(inside, RuntimeError("Can't write data")), "/d/out.h5")
+    assert type(other) is OSError and other.errno == errno.EIO and "Can't write data" in str(other)
+    mine = _raised_in(os.path.join(os.sep, "work", "mpiattn", "io", "writing.py"), TypeError("bug"))
+    assert _write_error(mine, "/d/out.h5") is None  # a bug of ours keeps its type and traceback
+    assert _write_error(_raised_in(inside, KeyboardInterrupt()), "/d/out.h5") is None
