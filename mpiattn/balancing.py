@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .layouts import Layout, all_segments, check_layout, positions, split_sizes
+from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
 
 __all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens", "check_window",
            "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
@@ -218,7 +218,9 @@ def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = No
     a query block touches the union of its rows' intervals: ``O(B n log n)``
     time, ``O(B n)`` memory.
     """
-    n, T = operator.index(n), _check_block(block_size)
+    n, T = operator.index(n), check_block_size(block_size, "tile_work")
+    if T is None:
+        raise TypeError("tile_work: block_size must be a positive integer, got None")
     nb = -(-n // T) if n else 0
     jlo, jhi = _band(n, causal, window)
     seg = _segments_2d(segment_ids, n)
@@ -239,18 +241,6 @@ def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = No
         if keep.any():
             out += _new_blocks(i[keep] // T, lo[keep] // T, hi[keep] // T, nb)
     return out
-
-
-def _check_block(block_size: Any) -> int:
-    if isinstance(block_size, (bool, np.bool_)):
-        raise TypeError(f"block_size must be an integer >= 1, got {block_size!r}")
-    try:
-        T = operator.index(block_size)
-    except TypeError:
-        raise TypeError(f"block_size must be an integer >= 1, got {block_size!r}") from None
-    if T < 1:
-        raise ValueError(f"block_size must be >= 1, got {T}")
-    return int(T)
 
 
 def rank_work(layout: Any, n: int, size: int, *, causal: bool = False, window: Any = None,
@@ -411,11 +401,11 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
     if block_size is None:
         unit, w = 1, row_work(n, **kw)
     else:
-        unit = _check_block(block_size)
+        unit = check_block_size(block_size, "balance")
         w = tile_work(n, unit, **kw)
         if w is None:  # a document in several runs: the pairs of each block
             pairs = np.concatenate(([0], np.cumsum(row_work(n, **kw))))
-            edges = np.minimum(np.arange(0, n + unit, unit), n)[: -(-n // unit) + 1]
+            edges = np.append(np.arange(0, n, unit), n)
             w = np.diff(pairs[edges])
     units = w.size
     prefix = np.concatenate(([0], np.cumsum(w))).astype(np.int64)

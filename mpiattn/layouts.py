@@ -37,7 +37,7 @@ import numpy as np
 from . import backend
 
 __all__ = ["LAYOUTS", "Layout", "check_layout", "layout_key", "describe", "split_sizes", "segments", "all_segments",
-           "local_length", "local_lengths", "positions", "check_shares", "to_global_order"]
+           "local_length", "local_lengths", "positions", "check_shares", "to_global_order", "check_block_size"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -168,6 +168,25 @@ def describe(layout: Any) -> str:
     if isinstance(layout, Layout):
         return f"explicit (n={layout.n}, {layout.size} ranks)"
     return str(layout)
+
+
+def check_block_size(block_size: Any, op: str) -> int | None:
+    """``block_size`` (rows per block) as an int >= 1, or None; ``op`` names the caller in errors.
+
+    Raises TypeError for anything but an integer (``True`` included) or
+    None, ValueError below 1.
+    """
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool):
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}")
+    try:
+        k = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}") from None
+    if k < 1:
+        raise ValueError(f"{op}: block_size must be >= 1, got {k}")
+    return int(k)
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -8,7 +8,6 @@ holds, so every rank derives the same ring: rows per piece, global lengths.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Sequence
@@ -18,7 +17,7 @@ import numpy as np
 from .. import backend
 from ..comm.core import Comm
 from ..comm.device import prepare
-from ..layouts import check_layout, check_shares, layout_key, local_lengths
+from ..layouts import check_block_size, check_layout, check_shares, layout_key, local_lengths
 
 __all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta",
            "plan_nt", "plan_nn", "plan_tn"]
@@ -69,20 +68,6 @@ def _check_array(x: Any, name: str, op: str) -> None:
                          "(..., rows, columns) with the sharded rows on axis -2")
 
 
-def _check_block_size(block_size: Any, op: str) -> int | None:
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool):
-        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}")
-    try:
-        k = operator.index(block_size)
-    except TypeError:
-        raise TypeError(f"{op}: block_size must be a positive integer or None, got {block_size!r}") from None
-    if k < 1:
-        raise ValueError(f"{op}: block_size must be >= 1, got {k}")
-    return k
-
-
 def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any,
                  block_size: Any) -> tuple[ModuleType, np.dtype, list[list[Shape]], str, int | None]:
     """Local checks and the metadata allgather (one collective), then the cross-rank checks.
@@ -94,7 +79,7 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
 
     def local() -> tuple:
         check_layout(layout)
-        blk = _check_block_size(block_size, op)
+        blk = check_block_size(block_size, op)
         for nm, x in arrays:
             _check_array(x, nm, op)
         backend.array_module(*(x for _, x in arrays))

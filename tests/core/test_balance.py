@@ -181,11 +181,11 @@ def test_bad_arguments():
         mpiattn.balance(10, 2, segment_ids=np.zeros(10))
     with pytest.raises(ValueError, match=r"shape \(N,\) or \(B, N\)"):
         mpiattn.balance(10, 2, segment_ids=np.zeros(9, dtype=int))
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    with pytest.raises(ValueError, match="balance: block_size must be >= 1"):
         mpiattn.balance(10, 2, block_size=0)
-    with pytest.raises(TypeError, match="block_size must be an integer"):
+    with pytest.raises(TypeError, match="balance: block_size must be a positive integer or None"):
         mpiattn.balance(10, 2, block_size=2.0)
-    with pytest.raises(TypeError, match="block_size must be an integer"):
+    with pytest.raises(TypeError, match="balance: block_size must be a positive integer or None"):
         mpiattn.balance(10, 2, block_size=True)
 
 
