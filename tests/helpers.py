@@ -6,6 +6,7 @@
 ``finish_group``  wait for such a process group, killed whole on timeout
 ``whole``        every dataset and the root attributes of an HDF5 file
 ``bad_input``    write an input file with one named defect
+``visible_matrix``  the dense (B, N, M) visibility of causal, window, document and padding rules
 ``dense_attention``  float64 attention of global arrays restricted to a dense visibility mask
 ``install_fake_cupy``  the fake CuPy of ``fake_cupy.py`` in ``sys.modules``, GPU caches emptied
 """
@@ -120,6 +121,26 @@ def install_fake_cupy(monkeypatch, **kw):
     monkeypatch.setattr(gpu, "_WARNED", set())
     monkeypatch.setattr(device, "_SAID", set())
     return fake_cupy.install(monkeypatch, **kw)
+
+
+def visible_matrix(B, N, M, causal=False, window=None, seg_q=None, seg_k=None, pad=None):
+    """(B, N, M) bool: key j visible to query i, every rule written out on its own."""
+    i = np.arange(N)[:, None]
+    j = np.arange(M)[None, :]
+    vis = np.ones((B, N, M), dtype=bool)
+    if causal:
+        vis &= (j <= i)[None]
+    if window is not None:
+        left, right = window
+        if left is not None:
+            vis &= (j >= i - left)[None]
+        if right is not None:
+            vis &= (j <= i + right)[None]
+    if seg_q is not None:
+        vis &= seg_q[:, :, None] == seg_k[:, None, :]
+    if pad is not None:
+        vis &= ~pad[:, None, :]
+    return vis
 
 
 def dense_attention(Q, K, V, vis, scale=None, dO=None):

@@ -13,32 +13,12 @@ from mpiattn.comm.ring import row_pieces
 from mpiattn.kernels import native
 from mpiattn.layouts import all_segments, positions
 
-from helpers import dense_attention, host
+from helpers import dense_attention, host, visible_matrix
 
 STRATS = ["ring", "allgather", "ulysses", "materialized"]
 
 
 # ------------------------------------------------------------------ reference
-def visible_matrix(B, N, M, causal=False, window=None, seg_q=None, seg_k=None, pad=None):
-    """(B, N, M) bool: key j visible to query i, every rule written out on its own."""
-    i = np.arange(N)[:, None]
-    j = np.arange(M)[None, :]
-    vis = np.ones((B, N, M), dtype=bool)
-    if causal:
-        vis &= (j <= i)[None]
-    if window is not None:
-        left, right = window
-        if left is not None:
-            vis &= (j >= i - left)[None]
-        if right is not None:
-            vis &= (j <= i + right)[None]
-    if seg_q is not None:
-        vis &= seg_q[:, :, None] == seg_k[:, None, :]
-    if pad is not None:
-        vis &= ~pad[:, None, :]
-    return vis
-
-
 def reference(Q, K, V, dO, vis, scale=None):
     """float64 (out, lse, dq, dk, dv) of attention restricted to ``vis`` (B, N, M)."""
     return dense_attention(Q, K, V, vis[:, None], scale, dO)

@@ -7,7 +7,7 @@ import mpiattn
 from mpiattn import balancing
 from mpiattn.layouts import all_segments, check_shares, local_lengths, positions, to_global_order
 
-from helpers import host
+from helpers import host, visible_matrix
 
 N = 4096
 
@@ -39,20 +39,14 @@ CASES = {
 }
 
 
+def dense_visible(n, causal=False, window=None, segment_ids=None):
+    """(B, n, n) visibility of self-attention (B = 1 without documents)."""
+    seg = None if segment_ids is None else np.atleast_2d(segment_ids)
+    return visible_matrix(1 if seg is None else len(seg), n, n, causal, window, seg, seg)
+
+
 def brute_work(n, causal=False, window=None, segment_ids=None):
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    vis = np.ones((n, n), dtype=bool)
-    if causal:
-        vis &= j <= i
-    if window is not None:
-        if window[0] is not None:
-            vis &= j >= i - window[0]
-        if window[1] is not None:
-            vis &= j <= i + window[1]
-    if segment_ids is None:
-        return vis.sum(1)
-    seg = np.atleast_2d(segment_ids)
-    return sum((vis & (s[:, None] == s[None, :])).sum(1) for s in seg)
+    return dense_visible(n, causal, window, segment_ids).sum(axis=(0, 2))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -108,20 +102,9 @@ def test_row_work_matches_brute_force(kw):
 
 def brute_tiles(n, T, causal=False, window=None, segment_ids=None):
     """Visible tiles per block of T query rows, from the dense visible matrix."""
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
-    vis = np.ones((n, n), dtype=bool)
-    if causal:
-        vis &= j <= i
-    if window is not None:
-        if window[0] is not None:
-            vis &= j >= i - window[0]
-        if window[1] is not None:
-            vis &= j <= i + window[1]
-    seg = [None] if segment_ids is None else np.atleast_2d(segment_ids)
     nb = -(-n // T)
     out = np.zeros(nb, dtype=np.int64)
-    for s in seg:
-        v = vis if s is None else vis & (s[:, None] == s[None, :])
+    for v in dense_visible(n, causal, window, segment_ids):
         out += [sum(v[a * T:(a + 1) * T, b * T:(b + 1) * T].any() for b in range(nb)) for a in range(nb)]
     return out
 
