@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Exact", "exact_attention", "exact_nbytes"]
+__all__ = ["Exact", "exact_attention", "exact_nbytes", "check_errors"]
 
 
 class Exact(NamedTuple):
@@ -147,3 +147,59 @@ def exact_attention(q: Any, k: Any, v: Any, dout: Any = None, *, causal: bool = 
                     dq[b, h, i0:i1] = s * (dS @ k[b, kv])
                     dk[b, kv] += s * (dS.T @ q[b, h, i0:i1])
     return Exact(out, lse, dq, dk, dv)
+
+
+def _row_norm(x: np.ndarray) -> float:
+    """The largest 2-norm of a row (last axis) of ``x``; 0 for an empty array."""
+    return float(np.sqrt(np.square(x, dtype=np.float64).sum(axis=-1)).max(initial=0.0))
+
+
+def _largest(x: np.ndarray) -> float:
+    return float(np.abs(x, dtype=np.float64).max(initial=0.0))
+
+
+def check_errors(got: dict, ref: Exact, q: Any, k: Any, v: Any, dout: Any = None,
+                 scale: float | None = None) -> dict[str, float]:
+    """The error of each result in ``got`` against the exact one, scaled by the operands.
+
+    ``error = max |x - x_exact| / a`` over the finite entries (``inf`` when
+    the infinities differ), where ``a`` is the larger of ``max |x_exact|``
+    and a bound that the operands' magnitudes set on ``x`` (``|q|``, ``|k|``,
+    ``|v|``, ``|dout|`` the largest rows' 2-norms, ``s`` the scale)::
+
+        out  max|v|             (each row is an average of rows of v)
+        lse  1 + |s| |q| |k|    (|s q.k| bounds each score)
+        dv   max|dout|          (sum_i P_ij dout_i, sum_i P_ij ~ 1)
+        dq   |s| |dout| |v| max|k|      dk   |s| |dout| |v| max|q|
+
+    So an exact result near 0 (e.g. ``dq`` of a row whose softmax is
+    one-hot) is judged by the rounding its operands allow, not divided by
+    its own tiny magnitude, as in the test suite's rule.
+
+    Parameters
+    ----------
+    got : dict
+        Name (``out``, ``lse``, ``dq``, ``dk``, ``dv``) -> the computed global array.
+    ref : Exact
+    q, k, v, dout : global arrays (``dout`` needed for the gradients)
+    scale : float, optional
+        Default ``1/sqrt(E)``.
+    """
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    s = abs(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    qn, kn, vn = _row_norm(q), _row_norm(k), _row_norm(v)
+    dn = 0.0 if dout is None else _row_norm(np.asarray(dout))
+    bound = {"out": _largest(v), "lse": 1.0 + s * qn * kn,
+             "dv": 0.0 if dout is None else _largest(dout),
+             "dq": s * dn * vn * _largest(k), "dk": s * dn * vn * _largest(q)}
+    errors = {}
+    for name, x in got.items():
+        want = getattr(ref, name)
+        x = np.asarray(x, dtype=np.float64)
+        fin = np.isfinite(want)
+        if not np.array_equal(fin, np.isfinite(x)) or not np.array_equal(x[~fin], want[~fin]):
+            errors[name] = math.inf
+            continue
+        a = max(_largest(want[fin]), bound[name], 1e-300)
+        errors[name] = float(np.abs(x[fin] - want[fin]).max(initial=0.0)) / a
+    return errors

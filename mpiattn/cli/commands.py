@@ -62,32 +62,30 @@ def cmd_example(args: Any, con: Console) -> int:
 def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
     """Bundled file missing (an unusual install): regenerate it (make-data), run, delete it.
 
-    The regenerated input is a locked temporary (:class:`mpiattn.io.temporaries.Temporary`):
-    removed on a signal, and by a later run should this one be killed.
+    The regenerated input is made inside a locked temporary directory
+    (:class:`mpiattn.io.temporaries.Temporary`) that is never published:
+    removed at the end, on a signal, and by a later run should this one be
+    killed.
     """
-    from ..io.temporaries import Temporary, register, unregister
-
     target = os.path.join(os.path.dirname(os.path.abspath(output)), "mpiattn-example-in.h5")
     with agreed():
-        own = io.atomic.on_rank0(c, lambda: Temporary.reserve(target), share=False)
-    regen = c.bcast_obj(own.data if c.rank == 0 else None)
-    tmp = own if c.rank == 0 else Temporary(regen)
-    register(tmp)
+        own = io.atomic.on_rank0(c, lambda: con.outputs.reserve(target), share=False)
+    name = c.bcast_obj(own.dir if c.rank == 0 else None)
+    tmp = own if c.rank == 0 else con.outputs.adopt(name)
+    regen = os.path.join(tmp.dir, "example-in.h5")
     con.say("bundled example input missing: regenerating it with make-data (seed "
             f"{EXAMPLE_SPEC['seed']})")
     try:
         _make_data(c, con, regen, dict(EXAMPLE_SPEC), causal=True, scale=None, force=False)
         return run_file(c, con, args, regen, output, True, {EXAMPLE_ATTR: 1}, "example")
     finally:  # every rank has finished reading it once run_file returns or raises alike
-        unregister(tmp)
-        if c.rank == 0:
-            tmp.remove()
+        con.outputs.discard(tmp, remove=c.rank == 0)
 
 
 def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
                scale: float | None, force: bool, window: tuple | None = None) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
-    timer = Timer(c)
+    timer = Timer(c, con)
     nbytes = sum(int(np.prod(shape, dtype=np.int64))
                  * {"key_padding_mask": 1, "segment_ids": 8}.get(name, np.dtype(spec.dtype).itemsize)
                  for name, (shape, _) in spec.datasets().items())
@@ -103,7 +101,7 @@ def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
              "window": None if window is None else [-1 if w is None else w for w in window],
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     with agreed(), timer.phase("write"):
-        io.write_rows(output, rows, c, attrs=attrs, force=force)
+        io.write_rows(output, rows, c, attrs=attrs, force=force, outputs=con.outputs)
     return spec, timer.times
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from ..io import Outputs
 
 
 #: Output of ``python -m mpiattn`` with no arguments (in the current directory).
@@ -54,21 +55,38 @@ PROGRESS_AFTER_S = 5.0
 
 
 class Console:
-    """Rank 0's output: messages (unless quiet), errors, progress.
+    """Rank 0's output: messages (unless quiet), errors, progress; and the run's outputs.
 
     Progress is a bar on terminals; elsewhere (a batch job's log) a line
     every 10 % for phases that run longer than :data:`PROGRESS_AFTER_S`.
+    With a signal guard (:class:`mpiattn.cli.signals.Guard`, the program
+    only) the console says nothing once a signal is ending the process
+    (that signal's message is the only one), and its :attr:`outputs` are
+    the guard's, which the signal stops.
     """
 
-    def __init__(self, rank: int, quiet: bool = False):
-        self.rank, self.quiet = rank, quiet
+    def __init__(self, rank: int, quiet: bool = False, guard: Any = None):
+        self.rank, self.quiet, self.guard = rank, quiet, guard
         self.tty = rank == 0 and not quiet and sys.stdout.isatty()
+        #: Every write of the run goes through these (:class:`mpiattn.io.Outputs`).
+        self.outputs = guard.outputs if guard is not None else Outputs()
+
+    def hold(self) -> None:
+        """Wait for good when a signal is ending the process (its thread speaks)."""
+        if self.guard is not None:
+            self.guard.hold()
+
+    def doing(self, text: str) -> None:
+        """What the run does now, for a signal's message (e.g. ``"while writing the output"``)."""
+        if self.guard is not None:
+            self.guard.phase = text
 
     def say(self, msg: str = "") -> None:
-        if self.rank == 0 and not self.quiet:
+        if self.rank == 0 and not self.quiet and (self.guard is None or self.guard.fired is None):
             print(msg, flush=True)
 
     def error(self, msg: str) -> None:
+        self.hold()
         if self.rank == 0:
             print(f"mpiattn: error: {msg}", file=sys.stderr, flush=True)
 

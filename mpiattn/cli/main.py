@@ -29,8 +29,10 @@ import importlib.util
 import os
 import sys
 import traceback
+import warnings
+from typing import Any
 
-
+from ..comm.node import OversubscriptionWarning
 from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
@@ -38,7 +40,6 @@ from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
 _WORKING = ("example", "run", "make-data", "info")
-_PLUGIN_RAN: list[str] = []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,39 +48,48 @@ def main(argv: list[str] | None = None) -> int:
     Parameters
     ----------
     argv : list of str, optional
-        The arguments. None (the program, ``python -m mpiattn``): ``sys.argv``,
-        with signal handlers installed for the run, and the process ends
-        with ``os._exit`` after an error that left an HDF5 file open (see
-        :func:`_leave`).
+        The arguments. None (the program, ``python -m mpiattn``): ``sys.argv``;
+        MPI is initialised first, then the signal handlers are installed for
+        the rest of the process (:mod:`mpiattn.cli.signals`), and the process
+        ends with ``os._exit`` after an error that left an HDF5 file open
+        (see :func:`_leave`).
     """
     program = argv is None
+    rank = world_rank()  # MPI_Init: until it returns, a signal ends the process at once
     guard = signals.install() if program else None
-    try:
-        code = _main(sys.argv[1:] if argv is None else list(argv))
-    finally:
-        if guard is not None:
-            guard.uninstall()
-    if program and code and not _PLUGIN_RAN:
-        _leave(code)  # (a plugin's ranks may return different codes: no collective then)
+    con = Console(rank, guard=guard)
+    args = _parse(sys.argv[1:] if program else list(argv), con)
+    if isinstance(args, int):
+        return args
+    code = _main(args, con)
+    if guard is not None:
+        guard.hold()  # a signal is ending the process: its thread speaks and ends it
+    if program and args.command not in PLUGINS:  # (a plugin's ranks may return different codes)
+        _leave(code, guard)
+    if guard is not None:
+        guard.ignore()
     return code
 
 
-def _main(argv: list[str]) -> int:
-    rank = world_rank()
-    con = Console(rank)
+def _parse(argv: list[str], con: Console) -> Any:
+    """The parsed arguments, or the exit code (usage error, ``--help``, ``--version``)."""
     try:
         if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
             argv = ["example", *argv]  # options without a command belong to the example
         args = build_parser(argv[0]).parse_args(argv)
         con.quiet = bool(getattr(args, "quiet", False))
         con.tty = con.tty and not con.quiet
+        return args
     except UsageError as exc:
-        if rank == 0:
+        if con.rank == 0:
             sys.stderr.write(exc.usage + str(exc) + "\n")
             sys.stderr.flush()
         return 2
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0
+
+
+def _main(args: Any, con: Console) -> int:
     threads = None
     try:
         if args.command in _WORKING or args.command in PLUGINS:
@@ -91,15 +101,17 @@ def _main(argv: list[str]) -> int:
                     con.error(problem)  # the launcher's rank 0 speaks, for all
                 return 1
         if args.command in PLUGINS:
-            _PLUGIN_RAN.append(args.command)
             return int(importlib.import_module(PLUGINS[args.command][0]).run(args) or 0)
-        if args.command in _WORKING:
-            from .steps import world_comm
+        with warnings.catch_warnings():
+            if args.command in _WORKING:
+                from .steps import world_comm
 
-            threads = resources.configure_threads(world_comm().node, getattr(args, "threads", None))
-            args.threads_info = threads
-        return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
-                "info": cmd_info, "clean": cmd_clean}[args.command](args, con)
+                threads = resources.configure_threads(world_comm().node, getattr(args, "threads", None))
+                args.threads_info = threads
+                if threads.source == resources.REQUESTED:  # the user chose: no advice against it
+                    warnings.simplefilter("ignore", OversubscriptionWarning)
+            return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
+                    "info": cmd_info, "clean": cmd_clean}[args.command](args, con)
     except UsageError as exc:
         con.error(str(exc))
         return 2
@@ -107,37 +119,44 @@ def _main(argv: list[str]) -> int:
         if getattr(exc, "mpiattnagreed", False):
             con.error(str(exc) or type(exc).__name__)
             return 1
-        return _unexpected(exc)
+        return _unexpected(exc, con)
     finally:
         if threads is not None:
             threads.restore()
 
 
-def _leave(code: int) -> None:
-    """After an error: return to a normal exit, or end at once when HDF5 still holds a file.
+def _leave(code: int, guard: signals.Guard | None) -> None:
+    """The program's last collective step: late signals told, then a normal exit or ``os._exit``.
 
-    After a failed write HDF5 may hold a half-closed file whose clean-up at
-    exit crashes (HDF5 2.0: a segfault in ``H5_term_library`` after a full
-    disk), turning exit code 1 into a signal. Every rank returned the same
-    code and is here: they agree (one allreduce) and, if any rank holds an
-    HDF5 file, all leave together through ``os._exit`` right after a
+    Every rank returned the same code and is here. One allgather tells
+    rank 0 whether a signal came too late to matter on some rank (it then
+    says so, :meth:`mpiattn.cli.signals.Guard.finish`) and whether any rank
+    still holds an HDF5 file. After a failed write HDF5 may hold a
+    half-closed file whose clean-up at exit crashes (HDF5 2.0: a segfault in
+    ``H5_term_library`` after a full disk), turning exit code 1 into a
+    signal; then all leave together through ``os._exit`` right after a
     barrier. Otherwise every rank returns, to leave through Python's normal
     shutdown, which finalizes MPI and runs the MPI library's own exit
     handlers: Hydra (MPICH's ``mpiexec``) kills the ranks still running when
     one leaves without them, and a rank killed that way turns the job's
-    exit code into 9. (Seen with Debian's MPICH 4.0.2, 4 ranks on 2 cores,
-    in about one run in eight, while the check counted h5py's own open
-    datatypes as held objects and so every failed run took ``os._exit``.)
+    exit code into 9.
     """
     from mpi4py import MPI
 
     h5py = sys.modules.get("h5py")
-    held = h5py is not None and _hdf5_holds_files(h5py)
+    held = bool(code) and h5py is not None and _hdf5_holds_files(h5py)
+    if guard is not None:
+        guard.sync()  # the signals received so far are handled: a late one is known
+        guard.hold()
+    late = None if guard is None else guard.late
     usable = MPI.Is_initialized() and not MPI.Is_finalized()
     world = MPI.COMM_WORLD if usable else None
+    states = [(held, late)]
     if world is not None and world.Get_size() > 1:
-        held = bool(world.allreduce(held, op=MPI.LOR))
-    if not held:
+        states = world.allgather((held, late))
+    if guard is not None:
+        guard.finish([s for _, s in states], code)
+    if not any(h for h, _ in states):
         return
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -159,10 +178,11 @@ def _hdf5_holds_files(h5py) -> bool:
     return bool(f.get_obj_count(f.OBJ_ALL, f.OBJ_FILE | f.OBJ_DATASET | f.OBJ_GROUP | f.OBJ_ATTR))
 
 
-def _unexpected(exc: BaseException) -> int:
+def _unexpected(exc: BaseException, con: Console) -> int:
     """A failure on this rank alone: report it here and end the whole job."""
     from mpi4py import MPI
 
+    con.hold()
     world = MPI.COMM_WORLD
     sys.stderr.write(f"mpiattn: error on rank {world.Get_rank()}: {type(exc).__name__}: {exc}\n"
                      f"{traceback.format_exc()}")
@@ -172,5 +192,3 @@ def _unexpected(exc: BaseException) -> int:
 
         abort_job(world, 1, "mpiattn: aborting the job so no rank waits forever")
     return 1
-
-

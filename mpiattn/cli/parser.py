@@ -154,7 +154,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("--no-backward", action="store_true",
                      help="skip the gradients even when the input has dout")
     run.add_argument("--check", action="store_true",
-                     help="compare with a float64 single-process reference on gathered data")
+                     help="compare with a float64 single-process reference on gathered data, "
+                          "before writing: a failed check writes no output")
     run.add_argument("--check-limit-gib", type=_positive_float, default=4.0, metavar="GIB",
                      help="skip --check when the reference would need more memory on rank 0 "
                           "(default 4)")

@@ -27,8 +27,8 @@ from typing import Any, Mapping
 
 from ..comm import node as nodes
 
-__all__ = ["LAUNCH_VARS", "THREAD_VARS", "launch_problem", "launcher_rank", "Threads",
-           "configure_threads"]
+__all__ = ["LAUNCH_VARS", "THREAD_VARS", "SHARE", "REQUESTED", "launch_problem", "launcher_rank",
+           "Threads", "configure_threads"]
 
 #: Environment variables in which launchers announce the job size, most specific first.
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
@@ -36,6 +36,8 @@ LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 #: ``Threads.source`` of the default: the node's cores divided among its ranks.
 SHARE = "share of the node"
+#: ``Threads.source`` when ``--threads`` chose the count.
+REQUESTED = "--threads"
 
 _FIX = {
     "SLURM_STEP_NUM_TASKS": "srun started the tasks without an MPI plugin that this MPI speaks: "
@@ -111,13 +113,23 @@ class Threads:
     source: str
     node: nodes.NodeInfo
     limiter: Any = None
+    requested: int | None = None
 
     def describe(self) -> str:
-        """E.g. ``1 per rank (OMP_NUM_THREADS=1; 2 ranks on 2 cores on this node)``."""
+        """E.g. ``1 per rank (OMP_NUM_THREADS=1; 2 ranks on 2 cores on this node)``.
+
+        With ``--threads N`` above what the BLAS library can run, it says so
+        (``64 per rank (--threads 100000: the BLAS library runs at most 64; ...)``).
+        """
         n = self.node
         count = "unknown" if self.count is None else f"{self.count} per rank"
         where = f"{n.local_size} rank(s) on {n.cores} core(s) on this node"
-        return f"{count} ({where})" if self.source == SHARE else f"{count} ({self.source}; {where})"
+        source = self.source
+        if self.requested is not None:
+            source = f"--threads {self.requested}"
+            if self.count is not None and self.count < self.requested:
+                source += f": the BLAS library runs at most {self.count}"
+        return f"{count} ({where})" if source == SHARE else f"{count} ({source}; {where})"
 
     def counted(self) -> "Threads":
         """Fill ``count`` from the thread pools as they are now; returns self."""
@@ -165,7 +177,7 @@ def configure_threads(node: nodes.NodeInfo, requested: int | None,
     """Set this rank's BLAS threads (local): ``--threads``, else the environment, else the share."""
     env = os.environ if env is None else env
     if requested is not None:
-        return Threads(None, "--threads", node, _threadpool_limits(requested)).counted()
+        return Threads(None, REQUESTED, node, _threadpool_limits(requested), requested).counted()
     given = [f"{var}={env[var]}" for var in THREAD_VARS if env.get(var, "").strip()]
     if given:
         return Threads(nodes.blas_threads(), ", ".join(given), node)

@@ -16,14 +16,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import __version__
-from .. import gpu, io
+from .. import backend, gpu, io
 from ..strategies import DEFAULT_BLOCK, attention, attention_backward, choose_strategy
 from ..backend import to_host
 from ..balancing import balance
 from ..comm.core import get_comm
 from ..sharding import gather
-from . import signals
-from .check import exact_attention, exact_nbytes
+from .check import check_errors, exact_attention, exact_nbytes
 from .common import CHECK_TOL, Console, UsageError, agreed, local_errors
 
 
@@ -107,14 +106,18 @@ _DOING = {"read": "while reading the input", "forward": "during the forward pass
 
 
 class Timer:
-    """Wall-clock phases delimited by barriers (so they cover the slowest rank)."""
+    """Wall-clock phases delimited by barriers (so they cover the slowest rank).
 
-    def __init__(self, c: Any):
-        self.c, self.times = c, {}
+    Each phase also tells the console what the run is doing (for the
+    message of a signal that ends it).
+    """
+
+    def __init__(self, c: Any, con: Console):
+        self.c, self.con, self.times = c, con, {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        signals.set_phase(_DOING.get(name, f"during {name}"))
+        self.con.doing(_DOING.get(name, f"during {name}"))
         self.c.barrier()
         t0 = time.perf_counter()
         yield  # on an error (raised alike on every rank) the closing barrier is skipped everywhere
@@ -152,20 +155,50 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     return {name: to_host(x) for name, x in results.items()}
 
 
-def _write_results(c: Any, path: str, results: dict[str, np.ndarray], inp: Any, layout: str,
-                   attrs: dict, force: bool) -> None:
-    # each output keeps the number of dimensions of the input it derives from
-    like = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv": ("v", 0)}
+#: Each output dataset keeps the number of dimensions of the input it derives from:
+#: name -> (that input, dimensions fewer).
+_LIKE = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv": ("v", 0)}
+
+
+def output_datasets(inp: Any, backward: bool) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    """The output's datasets ``{name: (global shape, dtype, sequence axis)}`` for a run on ``inp``.
+
+    The same description :func:`mpiattn.io.write_rows` derives from the
+    results, so that the free space needed is known before computing
+    (:func:`output_bytes`).
+    """
+    B, H, _, E = inp.q.shape
+    Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
+    dt = np.dtype(inp.q.dtype)
+    full = {"out": ((B, H, inp.n, Ev), dt), "lse": ((B, H, inp.n), backend.accum_dtype(dt))}
+    if backward:
+        full.update(dq=((B, H, inp.n, E), dt), dk=((B, Hkv, inp.m, E), dt),
+                    dv=((B, Hkv, inp.m, Ev), dt))
+    out = {}
+    for name, (shape, dtype) in full.items():
+        source, fewer = _LIKE[name]
+        ndim = inp.stored_ndim[source] - fewer
+        out[name] = (shape[len(shape) - ndim:], np.dtype(dtype).str,
+                     ndim - (1 if name == "lse" else 2))
+    return out
+
+
+def output_bytes(inp: Any, backward: bool) -> int:
+    """Bytes of data in the results of a run on ``inp`` (out, lse, with ``backward`` the gradients)."""
+    return io.writing.data_bytes(output_datasets(inp, backward))
+
+
+def _write_results(c: Any, con: Console, path: str, results: dict[str, np.ndarray], inp: Any,
+                   layout: str, attrs: dict, force: bool) -> None:
     rows = {}
     for name, x in results.items():
-        source, fewer = like[name]
-        ndim = inp.stored_ndim[source] - fewer
+        ndim = inp.stored_ndim[_LIKE[name][0]] - _LIKE[name][1]
         y = x.reshape(x.shape[x.ndim - ndim:])  # drop the promoted leading axes of length 1
         length = inp.m if name in ("dk", "dv") else inp.n
         rows[name] = io.Rows(y, length, ndim - (1 if name == "lse" else 2),
                              inp.kv_layout if name in ("dk", "dv") else None)
     with agreed():
-        io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force)
+        io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force, outputs=con.outputs)
 
 
 def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
@@ -198,25 +231,16 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                         causal=st.causal, scale=st.scale, key_padding_mask=g.get("key_padding_mask"),
                         window=st.window, segment_ids=g.get("segment_ids"),
                         kv_segment_ids=g.get("kv_segment_ids"))
-        errors = {name: _rel_error(g[name], getattr(ref, name)) for name in results}
+        errors = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
+                              g.get("dout"), st.scale)
     errors = c.bcast_obj(errors)
     text = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
     with agreed():  # the errors were broadcast: every rank decides alike
         if any(not e <= tol for e in errors.values()):
-            raise RuntimeError(f"check failed: relative errors {text} exceed the {dtype} "
-                               f"tolerance {tol:g}")
-    return f"max relative error vs float64: {text} (tolerance {tol:g}) OK"
-
-
-def _rel_error(x: np.ndarray, ref: np.ndarray) -> float:
-    """max |x - ref| / max |ref| over finite entries; inf when the infinities differ."""
-    x = np.asarray(x, dtype=np.float64)
-    fin = np.isfinite(ref)
-    if not np.array_equal(fin, np.isfinite(x)) or not np.array_equal(x[~fin], ref[~fin]):
-        return math.inf
-    if not fin.any():
-        return 0.0
-    return float(np.abs(x[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+            raise RuntimeError(f"check failed: errors {text} exceed the {dtype} tolerance {tol:g} "
+                               "(scaled errors, see mpiattn.cli.check.check_errors); no output "
+                               "was written")
+    return f"max error vs float64 (scaled by the operands): {text} (tolerance {tol:g}) OK"
 
 
 def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: Any,
@@ -250,19 +274,9 @@ def prepare_output(c: Any, con: Console, output: str, force: bool, nbytes: int |
     with agreed():
         io.check_output(output, c, force=force, nbytes=nbytes)
         directory = os.path.dirname(os.path.abspath(output))
-        stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory))
+        stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory, con.outputs.active()))
     for path, size in stale.removed:
         con.say(f"removed {path} ({size / 2**20:.1f} MiB), left by an mpiattn writer that died")
-
-
-def output_bytes(inp: Any, backward: bool) -> int:
-    """Bytes of data in the results of a run on ``inp`` (out, lse, with ``backward`` the gradients)."""
-    B, H, _, E = inp.q.shape
-    Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
-    item = inp.q.dtype.itemsize
-    n, m = inp.n, inp.m
-    words = B * H * n * Ev + (B * H * n * (E + Ev) + B * Hkv * m * (E + Ev) if backward else 0)
-    return int(words * item + B * H * n * (8 if item == 8 else 4))
 
 
 def check_arguments(c: Any, inp: Any, st: Settings) -> None:
@@ -293,13 +307,16 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "scale": st.scale if st.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
             "block_size": st.block_size, "engine": st.engine,
             "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
-            "input_path": inp.info["path"],
-            "input_size": inp.info["size"], "input_mtime": inp.info["mtime"], "created": now,
+            "input_path": inp.info["path"], "input_size": inp.info["size"],
+            "input_mtime": inp.info["mtime"], "input_mtime_ns": inp.info["identity"][3],
+            "input_device": inp.info["identity"][0], "input_inode": inp.info["identity"][1],
+            "created": now,
             "command": " ".join(["mpiattn", *sys.argv[1:]]),
             **{f"time_{k}_s": v for k, v in timer.times.items()}}
 
 
-def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -> tuple[Any, Any]:
+def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None,
+             meta: dict) -> tuple[Any, Any]:
     """The layouts of the query and the key rows: ``--layout``, ``auto`` resolved, ``balanced`` computed.
 
     ``balanced``: :func:`mpiattn.balance` of the file's queries from the
@@ -312,7 +329,7 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -
         lay = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
         return lay, lay
     with agreed():
-        shapes, ids = io.reading.read_whole(path, "segment_ids", c)
+        shapes, ids = io.reading.read_whole(path, "segment_ids", c, meta)
         N, M = shapes["q"][2], shapes["k"][2]
         lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids,
                       block_size=args.block_size or DEFAULT_BLOCK)
@@ -321,26 +338,30 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None) -
 
 def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: bool,
               extra_attrs: dict, title: str) -> int:
-    """The body shared by ``run`` and ``example``: read, compute, write, check, report."""
-    timer = Timer(c)
+    """The body shared by ``run`` and ``example``: read, compute, check, write, report.
+
+    The check (``--check``) runs before the output is written: a failed
+    check leaves no output under the requested name. The input's metadata
+    is read once, and every later open must find the same file
+    (:func:`mpiattn.io.read_input`).
+    """
+    timer = Timer(c, con)
     with local_errors(c):  # rank 0 decides
         if c.rank == 0 and os.path.exists(output) and os.path.exists(path) \
                 and os.path.samefile(path, output):
             raise ValueError(f"the output {output} is the input file")
     prepare_output(c, con, output, force)  # before any computing
     with agreed():
-        attrs = io.read_attributes(path, c) or {}
-    causal = args.causal if getattr(args, "causal", None) is not None else bool(attrs.get("causal"))
+        meta = io.read_meta(path, c)
+    causal = args.causal if getattr(args, "causal", None) is not None else bool(meta["causal"])
     window = getattr(args, "window", None)
-    with agreed():  # attrs came from rank 0: every rank decides alike
-        if window is None:
-            window = io.reading.window_from_attribute(attrs.get("window"))
-    layout, kv_layout = _layouts(c, args, path, causal, window)
+    window = meta["window"] if window is None else window
+    layout, kv_layout = _layouts(c, args, path, causal, window, meta)
     allow_nonfinite = getattr(args, "allow_nonfinite", False)
     with agreed(), timer.phase("read"):
         try:
             inp = io.read_input(path, c, layout=layout, dtype=getattr(args, "dtype", None),
-                                check_finite=not allow_nonfinite, kv_layout=kv_layout)
+                                check_finite=not allow_nonfinite, kv_layout=kv_layout, meta=meta)
         except io.NonFiniteError as exc:
             raise io.NonFiniteError(f"{exc}; pass --allow-nonfinite to compute anyway") from None
     xp, note = select_device(c, args.device, args.gpu_transport)
@@ -356,14 +377,15 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     if getattr(args, "threads_info", None) is not None:
         con.say(f"  threads  BLAS {args.threads_info.describe()}")
     results = _compute(c, con, inp, st, backward, timer)
-    with timer.phase("write"):
-        threads = getattr(args, "threads_info", None)
-        attrs_out = {**_output_attrs(c, inp, st, hosts, timer, threads), **extra_attrs}
-        _write_results(c, output, results, inp, layout, attrs_out, force)
     verdict = None
     if getattr(args, "check", True):
         with timer.phase("check"):
             verdict = _check(c, results, inp, st, getattr(args, "check_limit_gib", 4.0))
+    with timer.phase("write"):
+        threads = getattr(args, "threads_info", None)
+        attrs_out = {**_output_attrs(c, inp, st, hosts, timer, threads), "check": verdict,
+                     **extra_attrs}
+        _write_results(c, con, output, results, inp, layout, attrs_out, force)
     con.say(f"  engine   {st.used.get('engine', '?')} ({st.used.get('engine_reason', '')}), "
             f"blocks of {st.used.get('block_size', '?')} rows")
     con.say(f"  time     {timer.summary()}")
@@ -371,5 +393,3 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
         con.say(f"  check    {verdict}")
     con.say(f"  output   {os.path.abspath(output)}: {', '.join(results)}")
     return 0
-
-

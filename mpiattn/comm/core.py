@@ -28,7 +28,7 @@ run more BLAS threads than the node has cores.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -103,6 +103,8 @@ class Comm:
         #: This rank's node (:class:`mpiattn.comm.node.NodeInfo`); :func:`get_comm`
         #: sets it, None for a Comm made directly.
         self.node: node.NodeInfo | None = None
+        #: Clean-ups an abort of this Comm runs first (:meth:`cleanup_on_abort`).
+        self._abort_hooks: list[Callable[[], Any]] = []
 
     # ------------------------------------------------------------------ errors
     def collective_errors(self) -> contextlib.AbstractContextManager[None]:
@@ -121,8 +123,20 @@ class Comm:
         return errors.allgather_checked(self.mpi, fn)
 
     def abort_on_error(self) -> contextlib.AbstractContextManager[None]:
-        """:func:`mpiattn.comm.errors.abort_on_error` on this communicator."""
-        return errors.abort_on_error(self.mpi)
+        """:func:`mpiattn.comm.errors.abort_on_error` on this communicator.
+
+        The clean-ups of :meth:`cleanup_on_abort` run before the abort.
+        """
+        return errors.abort_on_error(self.mpi, self._abort_hooks)
+
+    @contextlib.contextmanager
+    def cleanup_on_abort(self, hook: Callable[[], Any]) -> Iterator[None]:
+        """Inside the block, an abort through this Comm first runs ``hook()`` (local, never raising)."""
+        self._abort_hooks.append(hook)
+        try:
+            yield
+        finally:
+            self._abort_hooks.remove(hook)
 
     # ------------------------------------------------------------- small data
     def allgather_obj(self, obj: Any) -> list:

@@ -9,9 +9,9 @@ Two ways for a job to end cleanly when some rank fails:
 * :func:`abort_on_error` around communication: a rank that fails there may
   leave its peers blocked inside MPI, so it aborts the whole job.
 
-An abort (:func:`abort_job`) first runs the hooks registered with
-:func:`at_abort` (the I/O layer's removal of its temporary files), and it
-never runs C exit handlers: HDF5's, for one, would close files that are
+An abort (:func:`abort_job`) first runs the clean-up hooks it is given (the
+I/O layer's removal of the temporary files being written), and it never
+runs C exit handlers: HDF5's, for one, would close files that are
 still open, a collective call inside an abort (a hang or an assertion).
 
 These functions take an ``mpi4py.MPI.Intracomm`` and never import
@@ -26,10 +26,10 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["CollectiveError", "agree", "allgather_checked", "abort_on_error", "raise_first",
-           "at_abort", "abort_job", "DEFER_S"]
+           "claim_ending", "abort_job", "DEFER_S"]
 
 #: Seconds a rank other than 0 waits before it aborts a job: when every rank
 #: fails (a full disk, a signal sent to all), rank 0's abort comes first and
@@ -40,7 +40,7 @@ DEFER_S = 3.0
 #: (which relays every rank's output) has passed them on before it kills the job.
 FORWARD_S = 0.5
 
-_HOOKS: list[Callable[[], Any]] = []
+#: Held by the thread that ends this process (:func:`claim_ending`), for good.
 _ENDING = threading.Lock()
 
 
@@ -126,7 +126,7 @@ def allgather_checked(mpi_comm: Any, fn: Callable[[], Any]) -> list:
 
 
 @contextlib.contextmanager
-def abort_on_error(mpi_comm: Any) -> Iterator[None]:
+def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> Iterator[None]:
     """Abort the whole job when the block raises on any rank (more than one rank).
 
     Used around communication-heavy sections, where a rank that stops early
@@ -149,13 +149,16 @@ def abort_on_error(mpi_comm: Any) -> Iterator[None]:
         abort_job(mpi_comm, 1,
                   f"mpiattn: error: rank {rank} of {size} failed during communication: "
                   f"{type(exc).__name__}: {exc}; aborting the job so no rank waits forever\n"
-                  + (traceback.format_exc() if bug else ""))
+                  + (traceback.format_exc() if bug else ""), hooks=hooks)
 
 
-def at_abort(hook: Callable[[], Any]) -> None:
-    """Run ``hook()`` (local, quick, never raising) before this process aborts the job."""
-    if hook not in _HOOKS:
-        _HOOKS.append(hook)
+def claim_ending() -> bool:
+    """Make the calling thread the one that ends this process (False: another thread is).
+
+    A later :func:`abort_job` from any other thread then waits, silent, for
+    the claimant to end the process; the claimant passes ``claimed=True``.
+    """
+    return _ENDING.acquire(blocking=False)
 
 
 def _skip_exit_handlers(code: int) -> None:
@@ -177,12 +180,14 @@ def _skip_exit_handlers(code: int) -> None:
         pass
 
 
-def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
+def abort_job(mpi_comm: Any, code: int, message: str = "", *,
+              hooks: Sequence[Callable[[], Any]] = (), claimed: bool = False) -> None:
     """End this process and, through ``MPI_Abort`` on ``COMM_WORLD``, the whole job; never returns.
 
-    Runs the :func:`at_abort` hooks, writes ``message`` to stderr, and never
-    runs Python's or C's exit handlers (no HDF5 collective after an abort).
-    Safe from any thread (the first caller wins; later ones wait). The job
+    Runs ``hooks`` (local, quick clean-ups), writes ``message`` to stderr,
+    and never runs Python's or C's exit handlers (no HDF5 collective after
+    an abort). Safe from any thread: the first caller (or the thread that
+    :func:`claim_ending` and passes ``claimed``) wins; later ones wait. The job
     is aborted through ``MPI_COMM_WORLD`` whatever ``mpi_comm`` is (MPICH
     merely exits a process that aborts a duplicate, and the launcher then
     kills its peers with SIGKILL). With one rank in ``mpi_comm``, or where
@@ -190,9 +195,9 @@ def abort_job(mpi_comm: Any, code: int, message: str = "") -> None:
     threads and this is not the main thread, the process just exits with
     ``code``.
     """
-    if not _ENDING.acquire(blocking=True, timeout=30):
+    if not claimed and not _ENDING.acquire(blocking=True, timeout=30):
         os._exit(code)
-    for hook in reversed(_HOOKS):
+    for hook in hooks:
         try:
             hook()
         except Exception:  # noqa: BLE001 - an abort must go on

@@ -1,8 +1,11 @@
 """HDF5 input and output (the only layer below the CLI that touches files).
 
+``paths``
+    what is wrong with a path (missing, a dangling link, a link loop);
 ``temporaries``
-    locked temporary names; removing those of dead writers, or this
-    process's own (for signal handlers);
+    locked temporary directories; removing those of dead writers;
+``publishing``
+    the outputs a program is making, and the veto of a signal handler;
 ``atomic``
     outputs that appear complete under their name or not at all;
 ``reading``
@@ -20,11 +23,12 @@ from __future__ import annotations
 from .atomic import check_output, check_space, write_atomically
 from .checkpoint import load_params, save_params
 from .reading import (SEQ_AXIS_FROM_END, Inputs, NonFiniteError, file_info, parallel_hdf5,
-                      read_attributes, read_input)
-from .temporaries import Stale, remove_registered, remove_stale
+                      read_attributes, read_input, read_meta)
+from .publishing import Outputs, Stopped
+from .temporaries import Stale, remove_stale
 from .writing import CHUNK_BYTES, Rows, write_rows
 
 __all__ = ["NonFiniteError", "Rows", "Inputs", "parallel_hdf5", "file_info", "read_attributes",
-           "read_input", "check_output", "write_rows", "write_atomically", "save_params",
+           "read_meta", "read_input", "check_output", "write_rows", "write_atomically", "save_params",
            "load_params", "CHUNK_BYTES", "SEQ_AXIS_FROM_END", "check_space", "remove_stale",
-           "remove_registered", "Stale"]
+           "Stale", "Outputs", "Stopped"]

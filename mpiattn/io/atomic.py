@@ -1,14 +1,17 @@
 """Atomic outputs: a file appears complete under its name, or not at all.
 
-Every output (attention results, layer checkpoints) is written to a
-temporary file ``.NAME.mpiattn-XXXX.tmp`` in the target directory and
-renamed to ``NAME`` by rank 0 only after every rank has reported success
-(:func:`write_atomically`). A failure leaves no partial file under ``NAME``
-and a previous ``NAME`` untouched, and the temporary file is removed. The
-temporary is locked by its writer while it exists, so the temporaries of
-writers that died (SIGKILL) can be told apart and removed later
-(:mod:`mpiattn.io.temporaries`). The free space is checked first when the
-size of the output is known.
+Every output (attention results, layer checkpoints) is written inside a
+temporary directory ``.NAME.mpiattn-XXXX.tmp/`` beside ``NAME`` and given
+its name by rank 0 only after every rank has reported success and voted to
+publish (:func:`write_atomically`). A failure leaves no partial file under
+``NAME`` and a previous ``NAME`` untouched, and the temporary is removed.
+Without ``force`` an existing ``NAME`` is never replaced, even one that
+appears while the output is written (a hard link, not a check and a
+rename). The temporary is locked by its writer while it exists, so the
+temporaries of writers that died (SIGKILL) can be told apart and removed
+later (:mod:`mpiattn.io.temporaries`); a signal handler removes those of
+its own run (:mod:`mpiattn.io.publishing`). The free space is checked first
+when the size of the output is known.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import uuid
 from typing import Any, Callable
 
 from ..comm.core import Comm, get_comm
-from . import temporaries
-from .temporaries import Temporary
+from .paths import missing
+from .publishing import Outputs
 
-__all__ = ["on_rank0", "check_output", "check_space", "temp_path", "write_atomically",
-           "space_needed", "NoSpaceError"]
+__all__ = ["on_rank0", "check_output", "check_space", "write_atomically", "space_needed",
+           "NoSpaceError"]
 
 
 def on_rank0(c: Any, fn: Callable[[], Any], *, share: bool = True) -> Any:
@@ -42,8 +45,11 @@ def on_rank0(c: Any, fn: Callable[[], Any], *, share: bool = True) -> Any:
 def _output_problem(path: str, force: bool) -> None:
     """Raise when ``path`` cannot be (over)written: local checks plus a probe file."""
     directory = os.path.dirname(path) or "."
+    problem = missing(directory, "output directory")
+    if problem is not None:
+        raise problem
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"output directory {directory} does not exist")
+        raise NotADirectoryError(f"output directory {directory} is not a directory")
     if os.path.isdir(path):
         raise IsADirectoryError(f"output {path} is a directory")
     if os.path.lexists(path) and not force:
@@ -162,13 +168,8 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def temp_path(path: str) -> str:
-    """A fresh temporary name ``.NAME.mpiattn-XXXX.tmp`` beside ``path`` (local: no communication)."""
-    return temporaries.temporary_name(path)
-
-
 def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force: bool = False,
-                     nbytes: int | None = None) -> None:
+                     nbytes: int | None = None, outputs: Outputs | None = None) -> None:
     """Run the collective ``write(tmp)``, then publish ``tmp`` as ``path`` (collective).
 
     Parameters
@@ -179,52 +180,62 @@ def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force:
     write : callable(tmp)
         Writes the whole file under the temporary name ``tmp`` (the same on
         every rank); called on every rank. It must raise the same exception
-        on every rank or none (or abort the job).
+        on every rank or none (or abort the job through ``c``).
     force : bool
-        Replace an existing ``path``.
+        Replace an existing ``path`` (atomically: ``os.replace``). Without
+        it an existing ``path`` is never replaced, however late it appears
+        (a hard link, which fails if the name exists).
     nbytes : int, optional
         The size of the data to be written: the free space is checked first.
+    outputs : Outputs, optional
+        The program's outputs (:class:`mpiattn.io.publishing.Outputs`),
+        whose :meth:`~mpiattn.io.publishing.Outputs.stop` a signal handler
+        calls; a private one by default.
 
     Raises
     ------
     Exception
         Whatever ``write`` raised, or the publishing error, on every rank;
-        ``path`` is then unchanged and the temporary file removed.
+        ``path`` is then unchanged and the temporary removed.
 
     Notes
     -----
-    Rank 0 reserves the temporary name with a lock it holds until the file
-    is renamed or removed (:class:`mpiattn.io.temporaries.Temporary`);
-    every rank registers the name, so that a signal handler or an abort on
-    any rank can remove it (:func:`mpiattn.io.temporaries.remove_registered`).
+    Rank 0 reserves a temporary directory with a lock it holds until the
+    directory is gone (:class:`mpiattn.io.temporaries.Temporary`); every
+    rank notes its name in ``outputs``, so that a signal handler on any
+    rank can remove it, and so does an abort through ``c``. Once written,
+    every rank votes to publish (the commit point); rank 0 then publishes.
     """
     path = os.path.abspath(path)
+    outputs = Outputs() if outputs is None else outputs
     check_output(path, c, force=force, nbytes=nbytes)
-    own = on_rank0(c, lambda: Temporary.reserve(path), share=False)
-    name = c.bcast_obj(own.data if c.rank == 0 else None) if c.size > 1 else own.data
-    tmp = own if c.rank == 0 else Temporary(name)
-    temporaries.register(tmp)
+    own = on_rank0(c, lambda: outputs.reserve(path), share=False)
+    name = c.bcast_obj(own.dir if c.rank == 0 else None) if c.size > 1 else own.dir
+    tmp = own if c.rank == 0 else outputs.adopt(name)
 
     def publish() -> None:
-        if not force and os.path.lexists(path):
-            raise FileExistsError(f"output {path} appeared while writing; not replaced")
         _fsync(tmp.data)
-        tmp.publish(path)
+        try:
+            outputs.publish(tmp, path, replace=force)
+        except FileExistsError:
+            raise FileExistsError(f"output {path} appeared while this run was writing it; not "
+                                  "replaced (overwrite with force=True, --force on the command "
+                                  "line)") from None
 
     try:
-        write(tmp.data)
+        with c.cleanup_on_abort(outputs.remove_all):
+            write(tmp.data)
+        with c.collective_errors():
+            outputs.commit(tmp)  # the commit point: a rank stopped by a signal never votes
         on_rank0(c, publish)
     except Exception as exc:  # raised identically on every rank: clean up, then let everyone raise
-        if c.rank == 0:
-            tmp.remove()
+        outputs.discard(tmp, remove=c.rank == 0)
         c.barrier()  # nobody returns before the temporary file is gone
         if _disk_full(exc):
             raise NoSpaceError(f"the disk filled up while writing {path} (No space left on "
                                f"device); nothing was written under that name") from exc
         raise
     except BaseException:
-        if c.rank == 0:
-            tmp.remove()
+        outputs.discard(tmp, remove=c.rank == 0)
         raise
-    finally:
-        temporaries.unregister(tmp)
+    outputs.settle(tmp, path)

@@ -11,6 +11,7 @@ array passes through another rank. The file format is described in
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +22,11 @@ from .. import backend
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
 from .atomic import on_rank0
+from .paths import missing
 
 __all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute",
-           "read_whole", "parallel_hdf5", "file_info",
-           "read_attributes", "read_input"]
+           "read_whole", "parallel_hdf5", "file_info", "identity", "read_attributes", "read_meta",
+           "read_input"]
 
 #: Input datasets and the axis (from the end) of their sequence dimension.
 SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1, "segment_ids": 1,
@@ -94,19 +96,54 @@ def parallel_hdf5() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def file_info(path: str) -> dict:
-    """``{"path", "size", "mtime"}`` of a file: absolute path, bytes, ISO-8601 UTC time."""
-    st = os.stat(path)
-    mtime = datetime.datetime.fromtimestamp(st.st_mtime, tz=datetime.timezone.utc)
-    return {"path": os.path.abspath(path), "size": int(st.st_size),
-            "mtime": mtime.isoformat(timespec="seconds")}
+def file_info(path: str, identity: tuple | None = None) -> dict:
+    """``{"path", "size", "mtime", "identity"}`` of a file.
+
+    The absolute path, bytes, ISO-8601 UTC modification time, and the
+    identity ``(device, inode, size, mtime_ns)`` (:func:`identity`; by
+    default that of ``path`` now).
+    """
+    if identity is None:
+        st = os.stat(path)
+        identity = (int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
+    mtime = datetime.datetime.fromtimestamp(identity[3] / 1e9, tz=datetime.timezone.utc)
+    return {"path": os.path.abspath(path), "size": identity[2],
+            "mtime": mtime.isoformat(timespec="seconds"), "identity": identity}
+
+
+def identity(f: Any) -> tuple[int, int, int, int]:
+    """``(device, inode, size, mtime_ns)`` of the file an open h5py ``File`` reads.
+
+    From its file descriptor, so it names the file actually opened even if
+    the path now leads elsewhere.
+    """
+    try:
+        st = os.fstat(f.id.get_vfd_handle())
+    except Exception:  # noqa: BLE001 - a driver without a descriptor: the path, at once
+        st = os.stat(f.filename)
+    return (int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
+
+
+def _same_input(path: str, want: tuple, got: list) -> None:
+    """Raise unless every rank's identities in ``got`` equal ``want`` (every rank decides alike)."""
+    for r, ids in enumerate(got):
+        for seen in ids:
+            if tuple(seen) != tuple(want):
+                what = ("another file (device, inode " f"{seen[0]}, {seen[1]})"
+                        if tuple(seen[:2]) != tuple(want[:2]) else
+                        f"the same file changed (size {seen[2]} bytes, modified "
+                        f"{seen[3] / 1e9:.3f}; first seen: {want[2]} bytes, {want[3] / 1e9:.3f})")
+                raise ValueError(f"input file {path} changed while this run was reading it: rank "
+                                 f"{r} found {what}; nothing was computed. Run again once nothing "
+                                 "replaces or writes the input")
 
 
 def _open_read(path: str) -> Any:
     import h5py
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"input file {path} does not exist")
+    problem = missing(path, "input file")
+    if problem is not None:
+        raise problem
     if os.path.isdir(path):
         raise IsADirectoryError(f"input {path} is a directory, not an HDF5 file")
     try:
@@ -186,6 +223,9 @@ def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q has H = {H} heads, k and v have Hkv = {Hkv}: H must be a "
                          "positive multiple of Hkv")
+    if E < 1:
+        raise ValueError(f"q {shapes['q']} and k {shapes['k']} have feature size E = {E}; it "
+                         "must be at least 1")
     if "dout" in shapes and shapes["dout"] != (B, H, N, Ev):
         raise ValueError(f"dout has shape {shapes['dout']}, expected (B, H, N, Ev) = {(B, H, N, Ev)}")
     if "key_padding_mask" in shapes and shapes["key_padding_mask"] != (B, M):
@@ -236,22 +276,38 @@ def _read_meta(path: str) -> dict:
             dtypes[name] = ds.dtype.newbyteorder("=").str  # read in native byte order
         shapes = {name: _promoted(name, s) for name, s in stored.items()}
         _validate(shapes)
-        causal = f.attrs.get("causal")
-        scale = f.attrs.get("scale")
-        if causal is not None and _plain(causal) not in (0, 1, True, False):
-            raise ValueError(f"{path}: attribute 'causal' must be a boolean, got {causal!r}")
-        if scale is not None:
-            try:
-                scale = float(_plain(scale))
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}: attribute 'scale' must be a number, got {scale!r}") from None
+        causal = _causal_attribute(path, f.attrs.get("causal"))
+        scale = _scale_attribute(path, f.attrs.get("scale"))
         try:
             window = window_from_attribute(f.attrs.get("window"))
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
-    return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": file_info(path),
-            "causal": None if causal is None else bool(_plain(causal)), "scale": scale,
-            "window": window}
+        info = file_info(path, identity(f))
+    return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": info,
+            "causal": causal, "scale": scale, "window": window}
+
+
+def _causal_attribute(path: str, value: Any) -> bool | None:
+    """The ``causal`` attribute: a boolean (or the integer 0 or 1), else ValueError."""
+    if value is None:
+        return None
+    plain = _plain(value)
+    if isinstance(plain, bool) or (isinstance(plain, int) and plain in (0, 1)):
+        return bool(plain)
+    raise ValueError(f"{path}: attribute 'causal' must be a boolean, got {value!r}")
+
+
+def _scale_attribute(path: str, value: Any) -> float | None:
+    """The ``scale`` attribute: a finite real number (not a string, not a boolean), else ValueError."""
+    if value is None:
+        return None
+    plain = _plain(value)
+    if isinstance(plain, bool) or not isinstance(plain, (int, float)):
+        raise ValueError(f"{path}: attribute 'scale' must be a number, got {value!r} "
+                         f"({type(plain).__name__})")
+    if not math.isfinite(plain):
+        raise ValueError(f"{path}: attribute 'scale' must be finite, got {plain!r}")
+    return float(plain)
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
@@ -286,8 +342,29 @@ def _first_nonfinite_row(x: np.ndarray, axis: int, segs: list[tuple[int, int]]) 
     return None
 
 
+def read_meta(path: str, comm: Any = None) -> dict:
+    """The validated metadata of an input file, on every rank (rank 0 reads it).
+
+    Returns
+    -------
+    dict
+        ``stored`` and ``shapes`` (promoted) per dataset, ``dtypes``,
+        ``causal``, ``scale``, ``window`` (the attributes, checked), and
+        ``info`` (:func:`file_info`, with the identity of the file read).
+        Pass it to :func:`read_input` and :func:`read_whole`, which check
+        that every later open finds the same file.
+
+    Raises
+    ------
+    FileNotFoundError, OSError, ValueError, TypeError
+        The same error on every rank.
+    """
+    c = get_comm(comm)
+    return on_rank0(c, lambda: _read_meta(os.path.abspath(path)))
+
+
 def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype: Any = None,
-               check_finite: bool = True, kv_layout: Any = None) -> Inputs:
+               check_finite: bool = True, kv_layout: Any = None, meta: dict | None = None) -> Inputs:
     """Read this rank's rows of an attention problem from an HDF5 file.
 
     Parameters
@@ -309,6 +386,8 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
         type of the stored ``q``, ``k``, ``v``.
     check_finite : bool
         Raise :class:`NonFiniteError` when a dataset holds NaN or Inf.
+    meta : dict, optional
+        :func:`read_meta` of the file, when the caller read it already.
 
     Returns
     -------
@@ -318,7 +397,10 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     Raises
     ------
     FileNotFoundError, OSError, ValueError, TypeError, NonFiniteError
-        The same error on every rank.
+        The same error on every rank; ValueError when the ranks did not all
+        read the file whose metadata was read (it was replaced or changed
+        meanwhile: its device, inode, size and modification time are
+        compared before and after each rank reads).
     """
     c = get_comm(comm)
     path = os.path.abspath(path)
@@ -335,14 +417,16 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     with c.collective_errors():  # the same gathered keys everywhere: the same verdict
         if any(k != keys[0] for k in keys):
             raise ValueError("read_input: the layouts differ between ranks")
-    meta = on_rank0(c, lambda: _read_meta(path))
+    meta = read_meta(path, c) if meta is None else meta
     shapes = meta["shapes"]
     compute = np.dtype(dtype) if dtype is not None else np.result_type(
         *(np.dtype(meta["dtypes"][x]) for x in ("q", "k", "v")))
     n, m = shapes["q"][2], shapes["k"][2]
     arrays: dict[str, np.ndarray] = {}
-    with c.collective_errors():
+
+    def read() -> list:
         with _open_read(path) as f:
+            seen = [identity(f)]
             for name, stored in meta["stored"].items():
                 axis = len(stored) - SEQ_AXIS_FROM_END[name]
                 length = stored[axis]
@@ -360,6 +444,11 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                 promoted = list(shapes[name])
                 promoted[-SEQ_AXIS_FROM_END[name]] = x.shape[axis]
                 arrays[name] = x.reshape(promoted)
+            return seen + [identity(f)]
+
+    seen = c.allgather_checked(read)
+    with c.collective_errors():  # the same gathered identities everywhere: the same verdict
+        _same_input(path, meta["info"]["identity"], seen)
     return Inputs(path=path, q=arrays["q"], k=arrays["k"], v=arrays["v"], dout=arrays.get("dout"),
                   key_padding_mask=arrays.get("key_padding_mask"), n=n, m=m,
                   stored_ndim={k: len(s) for k, s in meta["stored"].items()},
@@ -368,10 +457,12 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                   window=meta["window"], kv_layout=kv_layout)
 
 
-def read_whole(path: str, name: str, comm: Any = None) -> tuple[dict, np.ndarray | None]:
+def read_whole(path: str, name: str, comm: Any = None,
+               meta: dict | None = None) -> tuple[dict, np.ndarray | None]:
     """The promoted global shapes of the datasets, and one (small) dataset whole, on every rank.
 
-    Rank 0 validates the file (as :func:`read_input`) and reads the dataset
+    Rank 0 validates the file (as :func:`read_input`; with ``meta``, the
+    file must still be the one ``meta`` was read from) and reads the dataset
     (promoted like there: ``(B, L)`` for the mask and the ids); every rank
     receives both (the array is None when the file has no such dataset). For
     e.g. the document ids that ``--layout balanced`` needs.
@@ -380,11 +471,12 @@ def read_whole(path: str, name: str, comm: Any = None) -> tuple[dict, np.ndarray
     path = os.path.abspath(path)
 
     def read() -> tuple:
-        meta = _read_meta(path)
-        if name not in meta["stored"]:
-            return meta["shapes"], None
+        m = _read_meta(path) if meta is None else meta
+        if name not in m["stored"]:
+            return m["shapes"], None
         with _open_read(path) as f:
+            _same_input(path, m["info"]["identity"], [[identity(f)]])
             x = f[name][...]
-        return meta["shapes"], x.reshape(meta["shapes"][name])
+        return m["shapes"], x.reshape(m["shapes"][name])
 
     return on_rank0(c, read)

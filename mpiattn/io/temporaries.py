@@ -1,31 +1,36 @@
-"""Temporary files that name their writer: reserved, locked, removable after a crash.
+"""Temporary outputs that name their writer: reserved, locked, removable after a crash.
 
-An output is written under a temporary name ``.NAME.mpiattn-XXXXXXXXXX.tmp``
-beside ``NAME`` (:mod:`mpiattn.io.atomic`). Its writer (rank 0) first creates
-and locks ``.NAME.mpiattn-XXXXXXXXXX.tmp.lock`` (``fcntl.flock``, exclusive)
-and keeps the lock until the data file has been renamed or removed; then it
-removes the lock file. The kernel drops the lock when the writer dies,
-however it dies (SIGKILL, out of memory, node reboot), so a later run can
-tell the temporaries of dead writers (lock file present, lock free) from
-those of live ones (lock held) and remove only the former
-(:func:`remove_stale`).
+An output ``NAME`` is written inside a private temporary directory beside it,
+``.NAME.mpiattn-XXXXXXXXXX.tmp/``, which holds two files:
 
-Why a separate lock file rather than a lock on the data file: HDF5 takes its
+``lock``
+    created and locked (``fcntl.flock``, exclusive) by the writer (rank 0)
+    before anything else, and kept locked until the directory is gone;
+``data``
+    the file being written, published as ``NAME`` when complete
+    (:mod:`mpiattn.io.publishing`).
+
+Why a directory: once it is removed, nothing can be created inside it any
+more (``open(O_CREAT)`` of ``DIR/data`` fails with ENOENT), so a rank that
+goes on writing after a signal handler (possibly another rank's) removed
+the temporary cannot bring it back. Why a separate lock file: HDF5 takes its
 own ``flock`` on the files it opens, and MPI-IO (ROMIO on NFS) takes
 ``fcntl`` byte-range locks on the data file; a lock of ours there would
 collide with either.
 
-A writer creates the lock file, locks it, then checks that the name still
-refers to the file it locked (a cleaner may have removed it in between;
-the writer then starts over with a new name), so a name that matches is
-never removed while its writer lives. Where the file system has no locks
-(some Lustre/GPFS mounts) nothing is locked, and the cleaner, which cannot
-tell, keeps everything.
+The kernel drops the lock when the writer dies, however it dies (SIGKILL,
+out of memory, node reboot), so a later run can tell the temporaries of
+dead writers (lock free) from those of live ones (lock held) and remove
+only the former (:func:`remove_stale`). A writer creates the directory and
+the lock file, locks it, then checks that the name still refers to the file
+it locked (a cleaner may have removed it in between; the writer then starts
+over with a new name), so a name that matches is never removed while its
+writer lives. Where the file system has no locks (some Lustre/GPFS mounts)
+nothing is locked, and the cleaner, which cannot tell, keeps everything.
 
-Every process also keeps a registry of the temporaries it is writing, with
-no communication involved, so that a signal handler or an emergency abort
-can remove them (:func:`remove_registered`); the command line installs
-such handlers, the library installs none.
+Temporaries of an older mpiattn (a data file ``.NAME.mpiattn-X.tmp`` with a
+lock file ``.NAME.mpiattn-X.tmp.lock`` beside it) are recognised and
+cleaned the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import errno
 import os
 import re
 import socket
-import threading
 import time
 import uuid
 from typing import NamedTuple
@@ -44,23 +48,28 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-from ..comm import errors
+__all__ = ["Temporary", "Stale", "remove_stale", "temporary_name", "publish_file"]
 
-__all__ = ["Temporary", "Stale", "register", "unregister", "registered", "remove_registered",
-           "remove_stale", "temporary_name"]
-
-#: ``.NAME.mpiattn-XXXXXXXXXX.tmp`` (data) and ``... .tmp.lock`` (its writer's lock).
+#: ``.NAME.mpiattn-XXXXXXXXXX.tmp`` (a directory; an older mpiattn: a data file, with
+#: ``... .tmp.lock`` beside it).
 _PATTERN = re.compile(r"\..+\.mpiattn-[0-9a-f]{10}\.tmp(\.lock)?")
 #: The probe files of :func:`mpiattn.io.atomic.check_output` (live for microseconds).
 _PROBE = re.compile(r"\.mpiattn-probe-[0-9a-f]{12}")
-#: A data file without a lock file (from an mpiattn older than the locks) counts as
+#: A data file of an mpiattn older than the locks, with no lock file, counts as
 #: abandoned only once it has not been modified for this long.
 ORPHAN_AGE_S = 600.0
+#: A temporary directory with no lock file (its writer creates the lock right after
+#: the directory, microseconds later; a removal cut short on NFS, where a file still
+#: open is renamed ``.nfsXXXX``) counts as abandoned after this long.
+LOCKLESS_DIR_AGE_S = 60.0
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
+#: ``renameat2`` flag: fail with EEXIST when the target exists (Linux >= 3.15).
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
 
 
 def temporary_name(path: str) -> str:
-    """A fresh temporary name ``.NAME.mpiattn-XXXXXXXXXX.tmp`` beside ``path`` (no file is made)."""
+    """A fresh temporary name ``.NAME.mpiattn-XXXXXXXXXX.tmp`` beside ``path`` (nothing is made)."""
     path = os.path.abspath(path)
     return os.path.join(os.path.dirname(path),
                         f".{os.path.basename(path)}.mpiattn-{uuid.uuid4().hex[:10]}.tmp")
@@ -98,37 +107,131 @@ def _unlink(path: str) -> bool:
     return True
 
 
+def _remove_tree(directory: str) -> bool:
+    """Remove a temporary directory and what is in it (flat); True when it existed.
+
+    Retries while something appears inside meanwhile (a rank creating its
+    data file at that moment): once the directory is gone, nothing can be
+    created in it any more.
+    """
+    existed = False
+    for _ in range(100):
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return existed
+        existed = True
+        for n in names:
+            try:
+                _unlink(os.path.join(directory, n))
+            except IsADirectoryError:  # pragma: no cover - never made by mpiattn
+                pass
+        try:
+            os.rmdir(directory)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            time.sleep(0.001)
+    return existed  # pragma: no cover - NFS: an open file renamed .nfsXXXX keeps it until closed
+
+
+def publish_file(src: str, dst: str, *, replace: bool) -> None:
+    """Give the complete file ``src`` the name ``dst`` atomically (same directory).
+
+    ``replace``: ``os.replace`` (an existing ``dst`` is swapped in one step).
+    Otherwise an atomic no-replace: ``os.link`` (fails with EEXIST if ``dst``
+    exists, whoever made it, however late), then ``src`` is unlinked; where
+    the file system has no hard links, ``renameat2(RENAME_NOREPLACE)``.
+
+    Raises
+    ------
+    FileExistsError
+        ``dst`` exists and ``replace`` is False.
+    OSError
+        The file system offers neither primitive (then nothing is renamed).
+    """
+    if replace:
+        os.replace(src, dst)
+        return
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
+                             errno.EACCES, errno.EXDEV):
+            raise
+        _rename_noreplace(src, dst, exc)
+        return
+    _unlink(src)
+
+
+def _rename_noreplace(src: str, dst: str, cause: OSError) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), dst)
+    raise OSError(errno.EOPNOTSUPP,
+                  f"cannot publish {dst} without the risk of replacing a file that appears at "
+                  f"the same moment: this file system has neither hard links "
+                  f"({cause.strerror}) nor renameat2(RENAME_NOREPLACE); pass --force "
+                  "(force=True) to replace atomically instead")
+
+
 class Temporary:
-    """A temporary file name beside a target, reserved by a lock held by its owner.
+    """A temporary directory beside a target, reserved by a lock held by its owner.
 
     Parameters
     ----------
-    data : str
-        Absolute path of the temporary data file (it need not exist yet).
+    dir : str
+        Absolute path of the temporary directory (it need not exist yet).
     fd : int, optional
         The open, locked lock file (the owner only; other ranks pass None).
     """
 
-    def __init__(self, data: str, fd: int | None = None):
-        self.data, self.fd = data, fd
+    def __init__(self, dir: str, fd: int | None = None):
+        self.dir, self.fd = dir, fd
+
+    @property
+    def data(self) -> str:
+        """Path of the data file, published as the target."""
+        return os.path.join(self.dir, "data")
 
     @property
     def lock(self) -> str:
         """Path of the lock file."""
-        return self.data + ".lock"
+        return os.path.join(self.dir, "lock")
 
     @classmethod
     def reserve(cls, target: str) -> "Temporary":
-        """Create and lock a lock file for a fresh temporary name beside ``target`` (local).
+        """Create the directory and its locked lock file for a fresh name beside ``target`` (local).
 
         Raises
         ------
         OSError
-            The lock file cannot be created.
+            The directory or the lock file cannot be created.
         """
         for _ in range(100):
             tmp = cls(temporary_name(target))
-            fd = os.open(tmp.lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.mkdir(tmp.dir)
+            try:
+                fd = os.open(tmp.lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                continue  # a cleaner removed the fresh directory: new name
+            except BaseException:
+                _remove_tree(tmp.dir)
+                raise
             try:
                 locked = _lock(fd, block=True)  # waits while a cleaner inspects it
                 if locked is not None and not _same_file(tmp.lock, fd):
@@ -137,72 +240,29 @@ class Temporary:
                 os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
             except BaseException:
                 os.close(fd)
-                _unlink(tmp.lock)
+                _remove_tree(tmp.dir)
                 raise
             tmp.fd = fd
             return tmp
         raise OSError(f"cannot reserve a temporary file beside {target}")  # pragma: no cover
 
-    def remove(self) -> list[str]:
-        """Remove the data file and the lock file (the lock last); returns what was removed."""
-        gone = [p for p in (self.data, self.lock) if _unlink(p)]
-        self.close()
-        return gone
+    def remove(self) -> bool:
+        """Remove the directory with its data and lock files (any rank); True when it existed."""
+        try:
+            return _remove_tree(self.dir)
+        finally:
+            self.close()
 
-    def publish(self, path: str) -> None:
-        """Rename the data file to ``path`` (atomic), then drop the lock (the owner)."""
-        os.replace(self.data, path)
-        _unlink(self.lock)
-        self.close()
+    def publish(self, path: str, *, replace: bool) -> None:
+        """Publish the data file as ``path`` (:func:`publish_file`), then remove the rest (the owner)."""
+        publish_file(self.data, path, replace=replace)
+        self.remove()
 
     def close(self) -> None:
         """Close the lock file, which releases the lock (the owner)."""
         if self.fd is not None:
             fd, self.fd = self.fd, None
             os.close(fd)
-
-
-# ------------------------------------------------------------- this process's temporaries
-_REGISTRY: dict[int, Temporary] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def register(tmp: Temporary) -> None:
-    """Note that this process is writing ``tmp`` (for :func:`remove_registered`)."""
-    with _REGISTRY_LOCK:
-        _REGISTRY[id(tmp)] = tmp
-
-
-def unregister(tmp: Temporary) -> None:
-    with _REGISTRY_LOCK:
-        _REGISTRY.pop(id(tmp), None)
-
-
-def registered() -> list[str]:
-    """The data files of the temporaries this process is writing now."""
-    with _REGISTRY_LOCK:
-        return [tmp.data for tmp in _REGISTRY.values()]
-
-
-def remove_registered() -> list[str]:
-    """Remove every temporary file this process is writing; returns the removed paths.
-
-    For signal handlers and emergency exits: no communication, safe from any
-    thread, never raises. Any rank may call it (every rank knows the names).
-    """
-    with _REGISTRY_LOCK:
-        pending = list(_REGISTRY.values())
-        _REGISTRY.clear()
-    removed: list[str] = []
-    for tmp in pending:
-        try:
-            removed += [p for p in (tmp.data, tmp.lock) if _unlink(p)]
-        except OSError:
-            pass
-    return removed
-
-
-errors.at_abort(remove_registered)  # a rank that aborts the job removes them first
 
 
 # ------------------------------------------------------------- temporaries of dead writers
@@ -212,8 +272,8 @@ class Stale(NamedTuple):
     Attributes
     ----------
     removed : list of (str, int)
-        Data files of dead writers that were removed, with their sizes in
-        bytes (lock files and old probes are removed too, not listed).
+        Temporaries of dead writers that were removed, with the sizes of
+        their data in bytes.
     kept : list of (str, str)
         Temporaries left alone, with the reason (a live writer holds the
         lock, or this file system cannot tell).
@@ -230,46 +290,60 @@ def _size(path: str) -> int:
         return 0
 
 
-def _inspect(data: str, removed: list, kept: list) -> None:
-    lock = data + ".lock"
+def _age(path: str) -> float | None:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _inspect(name: str, lock: str, data: str, remove, removed: list, kept: list,
+             age_limit: float) -> None:
+    """Remove the temporary ``name`` (``remove()``) when its writer is dead; else say why not."""
     try:
         fd = os.open(lock, os.O_RDWR)
     except FileNotFoundError:
-        try:
-            age = time.time() - os.stat(data).st_mtime
-        except FileNotFoundError:
+        age = _age(name)
+        if age is None:
             return
-        if age >= ORPHAN_AGE_S:
+        if age >= age_limit:
             size = _size(data)
-            if _unlink(data):
-                removed.append((data, size))
+            if remove():
+                removed.append((name, size))
         else:
-            kept.append((data, "no lock file (an older mpiattn?); removed once unchanged for "
-                               f"{ORPHAN_AGE_S / 60:.0f} minutes"))
+            kept.append((name, "no lock file (being created, or an older mpiattn?); removed "
+                               f"once unchanged for {age_limit / 60:.0f} minute(s)"))
         return
     try:
         locked = _lock(fd, block=False)
         if locked is False:
             owner = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            kept.append((data, f"its writer is alive ({owner or 'lock held'})"))
+            kept.append((name, f"its writer is alive ({owner or 'lock held'})"))
         elif locked is None:
-            kept.append((data, "this file system has no file locks: cannot tell whether its "
+            kept.append((name, "this file system has no file locks: cannot tell whether its "
                                "writer is alive"))
         elif _same_file(lock, fd):  # we hold the lock of a dead writer
             size = _size(data)
-            if _unlink(data):
-                removed.append((data, size))
-            _unlink(lock)
+            if remove():
+                removed.append((name, size))
     finally:
         os.close(fd)
 
 
-def remove_stale(directory: str) -> Stale:
+def remove_stale(directory: str, keep: frozenset = frozenset()) -> Stale:
     """Remove the temporaries of dead mpiattn writers in ``directory`` (local; never a live one's).
 
     A temporary counts as dead when its lock file exists and nobody holds
-    its lock; a data file with no lock file when it has not changed for
-    :data:`ORPHAN_AGE_S` seconds. Probe files older than a minute go too.
+    its lock; one with no lock file when it has not changed for
+    :data:`LOCKLESS_DIR_AGE_S` seconds (an older mpiattn's data file:
+    :data:`ORPHAN_AGE_S`). Probe files older than a minute go too.
+
+    Parameters
+    ----------
+    directory : str
+    keep : set of str
+        Temporary paths this process is writing (on NFS ``flock`` is a POSIX
+        lock, which never stops its own process).
 
     Returns
     -------
@@ -286,17 +360,23 @@ def remove_stale(directory: str) -> Stale:
     names = os.listdir(directory)
     removed: list = []
     kept: list = []
-    data_files = sorted({os.path.join(directory, n[:-5] if n.endswith(".lock") else n)
-                         for n in names if _PATTERN.fullmatch(n)})
-    own = set(registered())  # (on NFS, flock is a POSIX lock: our own would not stop us)
-    for data in data_files:
-        if data in own:
-            kept.append((data, "this process is writing it"))
+    found = sorted({os.path.join(directory, n[:-5] if n.endswith(".lock") else n)
+                    for n in names if _PATTERN.fullmatch(n)})
+    for name in found:
+        if name in keep:
+            kept.append((name, "this process is writing it"))
             continue
         try:
-            _inspect(data, removed, kept)
+            if os.path.isdir(name):
+                tmp = Temporary(name)
+                _inspect(name, tmp.lock, tmp.data, lambda t=tmp: _remove_tree(t.dir), removed, kept,
+                         LOCKLESS_DIR_AGE_S)
+            else:  # an older mpiattn's data file, its lock file beside it
+                _inspect(name, name + ".lock", name,
+                         lambda n=name: (_unlink(n), _unlink(n + ".lock"))[0], removed, kept,
+                         ORPHAN_AGE_S)
         except OSError as exc:
-            kept.append((data, f"cannot inspect it: {exc.strerror or exc}"))
+            kept.append((name, f"cannot inspect it: {exc.strerror or exc}"))
     now = time.time()
     for n in names:
         if _PROBE.fullmatch(n):

@@ -25,6 +25,7 @@ import numpy as np
 from ..comm.core import Comm, get_comm
 from ..layouts import all_segments, check_layout, describe, local_length
 from .atomic import NoSpaceError, write_atomically
+from .publishing import Outputs
 from .reading import parallel_hdf5
 
 __all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
@@ -273,7 +274,7 @@ def _write_error(exc: BaseException, path: str) -> OSError | None:
 
 def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
                layout: str = "contiguous", attrs: Mapping[str, Any] | None = None,
-               force: bool = False) -> None:
+               force: bool = False, outputs: Outputs | None = None) -> None:
     """Write global datasets, each rank its own rows, atomically.
 
     Parameters
@@ -291,6 +292,9 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
         Root attributes (rank 0's values are used); None values are skipped.
     force : bool
         Replace an existing ``path``.
+    outputs : Outputs, optional
+        The program's outputs, which a signal handler can stop
+        (:func:`mpiattn.io.atomic.write_atomically`).
 
     Raises
     ------
@@ -318,7 +322,7 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
         else:
             _write_serial(c, tmp, metas[0], datasets, segs_of, attrs)
 
-    write_atomically(c, path, write, force=force, nbytes=data_bytes(metas[0]))
+    write_atomically(c, path, write, force=force, nbytes=data_bytes(metas[0]), outputs=outputs)
 
 
 def data_bytes(meta: Mapping[str, tuple]) -> int:

@@ -210,7 +210,6 @@ def test_example_regenerated_input_is_a_locked_temporary(comm, capsys, shared_di
     import contextlib
 
     from mpiattn.cli import commands
-    from mpiattn.io import temporaries
 
     monkeypatch.chdir(shared_dir)
     monkeypatch.setattr(commands, "_example_input", lambda: contextlib.nullcontext(None))
@@ -218,8 +217,9 @@ def test_example_regenerated_input_is_a_locked_temporary(comm, capsys, shared_di
     real = commands.run_file
 
     def spy(c, con, args, path, *rest):
-        seen.append((os.path.basename(path), path in temporaries.registered(),
-                     os.path.exists(path + ".lock")))
+        tmp = os.path.dirname(path)  # the input is made inside a locked temporary directory
+        seen.append((os.path.basename(tmp), tmp in con.outputs.active(),
+                     os.path.exists(os.path.join(tmp, "lock"))))
         return real(c, con, args, path, *rest)
     monkeypatch.setattr(commands, "run_file", spy)
     code, _, err = run(comm, capsys, "-q", "--engine", "native")

@@ -79,17 +79,18 @@ def test_a_write_registers_and_locks_its_temporary(comm, shared_dir, monkeypatch
     from mpiattn.io import writing
 
     seen = {}
+    outputs = io.Outputs()
     name = "_write_parallel" if io.parallel_hdf5() else "_write_serial"
     real = getattr(writing, name)
 
     def spy(c, tmp, *a):
-        seen["registered"] = temporaries.registered() == [tmp]
-        seen["locked"] = os.path.exists(tmp + ".lock")
-        seen["stale"] = _on_rank0(comm, lambda: temporaries.remove_stale(shared_dir))
+        seen["registered"] = outputs.active() == {os.path.dirname(tmp)}
+        seen["locked"] = os.path.exists(os.path.join(os.path.dirname(tmp), "lock"))
+        seen["stale"] = _on_rank0(comm, lambda: temporaries.remove_stale(shared_dir, outputs.active()))
         real(c, tmp, *a)
     monkeypatch.setattr(writing, name, spy)
-    io.write_rows(os.path.join(shared_dir, "out.h5"), _rows(comm, 6), comm)
-    assert seen["registered"] and seen["locked"] and temporaries.registered() == []
+    io.write_rows(os.path.join(shared_dir, "out.h5"), _rows(comm, 6), comm, outputs=outputs)
+    assert seen["registered"] and seen["locked"] and outputs.active() == frozenset()
     if comm.rank == 0:  # (the lock itself, seen from another writer: test_stale_temporaries_...)
         stale = seen["stale"]
         assert stale.removed == [] and stale.kept == [(stale.kept[0][0], "this process is writing it")]
@@ -106,7 +107,17 @@ def test_stale_temporaries_are_told_from_live_ones(serial_only, tmp_path):
     with open(dead.data, "wb") as f:
         f.write(b"x" * 123)
     dead.close()  # its writer died: the lock is free, the files stay
-    young_orphan = tmp_path / ".c.h5.mpiattn-00000000aa.tmp"  # no lock file: an older mpiattn?
+    young_lockless = tmp_path / ".f.h5.mpiattn-00000000cc.tmp"  # a writer between mkdir and lock
+    young_lockless.mkdir()
+    old_lockless = tmp_path / ".g.h5.mpiattn-00000000dd.tmp"  # a removal cut short (NFS)
+    old_lockless.mkdir()
+    (old_lockless / ".nfs000123").write_bytes(b"w" * 7)
+    os.utime(old_lockless, (time.time() - 2 * temporaries.LOCKLESS_DIR_AGE_S,) * 2)
+    # an older mpiattn's temporaries: a data file, its lock file beside it (or none at all)
+    old_dead = tmp_path / ".h.h5.mpiattn-00000000ee.tmp"
+    old_dead.write_bytes(b"v" * 5)
+    (tmp_path / (old_dead.name + ".lock")).write_bytes(b"pid 1")
+    young_orphan = tmp_path / ".c.h5.mpiattn-00000000aa.tmp"
     young_orphan.write_bytes(b"y")
     old_orphan = tmp_path / ".d.h5.mpiattn-00000000bb.tmp"
     old_orphan.write_bytes(b"z")
@@ -117,45 +128,37 @@ def test_stale_temporaries_are_told_from_live_ones(serial_only, tmp_path):
     other = tmp_path / ".e.h5.tmp"  # not ours
     other.write_bytes(b"")
     stale = io.remove_stale(str(tmp_path))
-    assert sorted(stale.removed) == sorted([(dead.data, 123), (str(old_orphan), 1)])
+    assert sorted(stale.removed) == sorted([(dead.dir, 123), (str(old_orphan), 1),
+                                            (str(old_lockless), 0), (str(old_dead), 5)])
     kept = dict(stale.kept)
-    assert "alive" in kept[live.data] and f"pid {os.getpid()}" in kept[live.data]
-    assert "no lock file" in kept[str(young_orphan)]
+    assert "alive" in kept[live.dir] and f"pid {os.getpid()}" in kept[live.dir]
+    assert "no lock file" in kept[str(young_orphan)] and "no lock file" in kept[str(young_lockless)]
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [os.path.basename(live.data), os.path.basename(live.lock), young_orphan.name, other.name])
-    live.publish(str(tmp_path / "a.h5"))
-    assert sorted(os.listdir(tmp_path)) == sorted(["a.h5", young_orphan.name, other.name])
+        [os.path.basename(live.dir), young_lockless.name, young_orphan.name, other.name])
+    live.publish(str(tmp_path / "a.h5"), replace=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["a.h5", young_lockless.name, young_orphan.name,
+                                                   other.name])
+    assert (tmp_path / "a.h5").read_bytes() == b"live"
     with pytest.raises(FileNotFoundError, match="not a directory"):
         io.remove_stale(str(tmp_path / "nowhere"))
 
 
 def test_reserve_starts_over_when_a_cleaner_took_the_name(serial_only, tmp_path, monkeypatch):
-    """A cleaner that removed a fresh lock file before its writer locked it costs a new name."""
+    """A cleaner that removed a fresh temporary before its writer locked it costs a new name."""
     real = temporaries._lock
     calls = []
 
     def lock(fd, block):
         if not calls:  # the first reservation: a cleaner gets there first
-            path = [p for p in os.listdir(tmp_path) if p.endswith(".lock")][0]
-            os.remove(tmp_path / path)
+            first = [p for p in os.listdir(tmp_path)][0]
+            temporaries._remove_tree(str(tmp_path / first))
         calls.append(fd)
         return real(fd, block)
     monkeypatch.setattr(temporaries, "_lock", lock)
     tmp = Temporary.reserve(str(tmp_path / "out.h5"))
-    assert len(calls) == 2 and os.listdir(tmp_path) == [os.path.basename(tmp.lock)]
-    assert tmp.remove() == [tmp.lock] and os.listdir(tmp_path) == []
-
-
-def test_remove_registered_is_what_a_signal_handler_calls(serial_only, tmp_path):
-    tmp = Temporary.reserve(str(tmp_path / "out.h5"))
-    open(tmp.data, "wb").close()
-    temporaries.register(tmp)
-    try:
-        assert sorted(temporaries.remove_registered()) == sorted([tmp.data, tmp.lock])
-        assert os.listdir(tmp_path) == [] and temporaries.registered() == []
-    finally:
-        temporaries.unregister(tmp)
-        tmp.close()
+    assert len(calls) == 2 and os.listdir(tmp_path) == [os.path.basename(tmp.dir)]
+    assert sorted(os.listdir(tmp.dir)) == ["lock"]
+    assert tmp.remove() and os.listdir(tmp_path) == []
 
 
 def _raised_in(filename, exc):

@@ -1,0 +1,154 @@
+"""A signal at every step of ``run`` and ``make-data``: the handler never races the main thread.
+
+Each case launches the real program (``python -m mpiattn`` through a small
+script, under ``mpiexec`` or alone) with one function wrapped so that, on
+the chosen rank, it sends the signal (to itself, or to every rank) right
+before or after that step, and then goes on at once: the main thread keeps
+running while the handler's thread reacts, which is the race being tested.
+No timing is involved (the one wait: a signal meant to come before a rank's
+vote is handled before the vote). Before the commit point (every rank voted to
+publish) the signal must end every rank with ``128 + N``, one message,
+nothing left behind and the earlier output byte-identical; from the commit
+point on it is too late to matter: exit 0, the new output, one line saying
+so. Serial session only (the tests start their own MPI jobs).
+"""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mpiattn import cli
+from helpers import finish_group, mpiexec
+
+LIMIT_S = 120
+JOB = textwrap.dedent("""
+    import importlib, os, signal, sys, time
+    from mpi4py import MPI
+
+    command, where, when, who, whom, sig = sys.argv[1:7]
+    who, sig = int(who), int(sig)
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    with open(f"pid.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+
+    def fire():
+        if whom == "all":  # what a launcher that forwards the signal does
+            for r in range(size):
+                if r != rank:
+                    os.kill(int(open(f"pid.{r}").read()), sig)
+        os.kill(os.getpid(), sig)  # then go on at once, racing the handler's thread
+
+    module, _, attr = where.rpartition(".")
+    owner = importlib.import_module(module.split(":")[0])
+    if ":" in module:
+        owner = getattr(owner, module.split(":")[1])
+    real, fired = getattr(owner, attr), []
+
+    def wrapped(*a, **kw):
+        mine = rank == who and not fired
+        if mine and when == "before":
+            fired.append(1)
+            fire()
+            if where.endswith("commit"):  # the signal is handled before this rank's vote
+                while a[0].stopped is None:
+                    time.sleep(0.001)
+        result = real(*a, **kw)
+        if mine and when == "after":
+            fired.append(1)
+            fire()
+        return result
+    setattr(owner, attr, wrapped)
+
+    args = {"run": ["run", "in.h5", "-o", "out.h5", "--force", "-q", "--engine", "native"],
+            "make-data": ["make-data", "out.h5", "--seq", "700", "--heads", "2", "--dim", "8",
+                          "--with-dout", "--seed", "9", "--force", "-q"]}[command]
+    from mpiattn import cli
+    sys.argv = ["mpiattn", *args]
+    sys.exit(cli.main())
+""")
+
+# where: "module.attr" or "module:Class.attr"; who: the rank that fires (-1: the last)
+R = "mpiattn.io.publishing:Outputs."
+CASES = [  # (command, ranks, where, when, who, whom, signal, too late)
+    ("run", 2, "mpiattn.io.remove_stale", "after", 0, "all", signal.SIGTERM, False),
+    ("run", 2, "mpiattn.io.reading._read_segments", "before", -1, "self", signal.SIGINT, False),
+    ("run", 2, R + "reserve", "after", 0, "self", signal.SIGTERM, False),
+    ("run", 2, R + "adopt", "after", -1, "all", signal.SIGINT, False),
+    ("run", 2, "mpiattn.io.writing._create", "before", 0, "self", signal.SIGTERM, False),
+    ("run", 2, "mpiattn.io.writing._write_slabs", "after", -1, "self", signal.SIGTERM, False),
+    ("run", 2, R + "commit", "before", -1, "self", signal.SIGINT, False),
+    ("run", 2, R + "commit", "before", 0, "all", signal.SIGTERM, False),
+    ("run", 2, R + "publish", "before", 0, "all", signal.SIGTERM, True),
+    ("run", 2, R + "publish", "after", 0, "self", signal.SIGINT, True),
+    ("run", 2, "mpiattn.cli.commands.run_file", "after", 0, "self", signal.SIGTERM, True),
+    ("run", 2, "mpiattn.cli.signals:Guard.finish", "after", 0, "all", signal.SIGTERM, "finished"),
+    ("run", 0, R + "reserve", "after", 0, "self", signal.SIGTERM, False),
+    ("run", 0, R + "publish", "before", 0, "self", signal.SIGTERM, True),
+    ("make-data", 2, R + "reserve", "after", 0, "all", signal.SIGTERM, False),
+    ("make-data", 2, "mpiattn.io.writing._write_slabs", "after", 0, "self", signal.SIGINT, False),
+    ("make-data", 2, R + "commit", "before", 0, "self", signal.SIGTERM, False),
+    ("make-data", 2, R + "publish", "before", 0, "all", signal.SIGINT, True),
+]
+
+
+def _env():
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
+    return env
+
+
+def _digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def job_dir(serial_only, tmp_path, monkeypatch, capsys):
+    """A directory with in.h5, an earlier out.h5 (forward only) and the job script."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8",
+                     "--with-dout", "-q"]) == 0
+    assert cli.main(["run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
+                     "--no-backward"]) == 0
+    capsys.readouterr()
+    (tmp_path / "job.py").write_text(JOB)
+    return tmp_path
+
+
+@pytest.mark.parametrize("command,ranks,where,when,who,whom,sig,late", CASES,
+                         ids=[f"{c[0]}-{c[1]}ranks-{c[2].rpartition('.')[2]}-{c[3]}-r{c[4]}-"
+                              f"{c[5]}-{c[6].name}" for c in CASES])
+def test_a_signal_at_each_step(job_dir, command, ranks, where, when, who, whom, sig, late):
+    before = _digest(job_dir / "out.h5")
+    cmd = [sys.executable, "job.py", command, where, when,
+           str(who if who >= 0 else max(ranks, 1) - 1), whom, str(int(sig))]
+    if ranks:
+        cmd = [mpiexec(), "-n", str(ranks), *cmd]
+    p = subprocess.Popen(cmd, cwd=job_dir, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code, out, err = finish_group(p, LIMIT_S, "the job did not end after the signal")
+    said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn:")]
+    left = sorted(n for n in os.listdir(job_dir) if ".mpiattn-" in n)
+    assert left == [], (left, out, err)
+    assert len(said) == 1 and sig.name in said[0], (code, out, err)
+    if late:  # the commit point had passed: the new output is published, and the run says so
+        assert code == 0, (code, out, err)
+        assert ("too late to matter" if late is True else "after the run had finished") in said[0]
+        assert _digest(job_dir / "out.h5") != before
+        assert command != "run" or "dq" in cli_datasets(job_dir / "out.h5")
+    else:
+        assert code == 128 + sig, (code, out, err)
+        assert "existing outputs untouched" in said[0], said
+        assert _digest(job_dir / "out.h5") == before
+
+
+def cli_datasets(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return sorted(f)
