@@ -31,6 +31,8 @@ _EXPORTS = {
     "matmul_tn_backward": "products",
     "attention": "strategies",
     "attention_backward": "strategies",
+    "Options": "strategies",
+    "AttentionSpec": "strategies",
     "MultiheadAttention": "layer",
     "get_comm": "comm",
 }

@@ -19,8 +19,8 @@ multiples of ``block_size``, so every rank's tiles are the global tiles.
 
 Also here: :func:`segment_ids_from_cu_seqlens` (FlashAttention-style
 cumulative lengths -> document ids), :func:`row_work`, :func:`tile_work`
-and :func:`rank_work` (the cost model, for reports and tests), and
-:func:`check_window`.
+and :func:`rank_work` (the cost model, for reports and tests). The window
+is checked by :func:`mpiattn.masks.check_window`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
+from .masks.spec import check_window
 
-__all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens", "check_window",
+__all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens",
            "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
 
 #: A candidate layout whose largest rank work is within this factor of the mean is taken.
@@ -47,33 +48,6 @@ MAX_CHUNKS_PER_RANK = 16
 #: One range per rank is preferred to more chunks when no rank gets more than
 #: this factor of the mean rows.
 ROW_SLACK = 1.25
-
-
-def check_window(window: Any) -> tuple | None:
-    """``window`` as ``(left, right)`` (each an int >= 0 or None), or None for no window.
-
-    ``(None, None)`` is no window. Raises TypeError for anything but a pair
-    of ints/None, ValueError for a negative bound.
-    """
-    if window is None:
-        return None
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
-    out = []
-    for side, w in zip(("left", "right"), window):
-        if w is None:
-            out.append(None)
-            continue
-        if isinstance(w, (bool, np.bool_)):
-            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}")
-        try:
-            w = operator.index(w)
-        except TypeError:
-            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}") from None
-        if w < 0:
-            raise ValueError(f"window {side} bound must be >= 0, got {w}")
-        out.append(int(w))
-    return None if out == [None, None] else (out[0], out[1])
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: Any, n: int | None = None) -> np.ndarray:

@@ -234,10 +234,8 @@ class MultiheadAttention:
 
     # --------------------------------------------------------------- forward
     def forward(self, query: Any, key: Any = None, value: Any = None, comm: Any = None, *,
-                causal: bool = False, key_padding_mask: Any = None, layout: Any = "contiguous",
-                strategy: str = "auto", block_size: int | None = None, engine: str = "auto",
-                window: tuple | None = None, segment_ids: Any = None, kv_segment_ids: Any = None,
-                kv_layout: Any = None) -> Any:
+                key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
+                **options: Any) -> Any:
         """Attention output for this rank's query rows.
 
         Parameters
@@ -252,15 +250,15 @@ class MultiheadAttention:
             This rank's value rows.
         comm : mpi4py.MPI.Intracomm, optional
             Communicator (default ``MPI.COMM_WORLD``).
-        causal : bool
-            Mask keys at global positions ``j > i`` for query position ``i``.
         key_padding_mask : bool array, shape (B, m_r), optional
             True marks padding keys (never attended).
-        window, segment_ids, kv_segment_ids
-            Sliding window ``(left, right)`` and document ids ``(B, n_r)``,
-            ``(B, m_r)``, as in :func:`mpiattn.attention`.
-        layout, kv_layout, strategy, block_size, engine
-            Passed to :func:`mpiattn.attention` (and its backward).
+        segment_ids, kv_segment_ids
+            Document ids ``(B, n_r)``, ``(B, m_r)``, as in :func:`mpiattn.attention`.
+        **options
+            :class:`mpiattn.Options` fields (``causal``, ``window``, ``layout``,
+            ``kv_layout``, ``strategy``, ``engine``, ``block_size``, ...) or
+            ``options=``, passed to :func:`mpiattn.attention` and its
+            backward; ``scale`` defaults to ``1/sqrt(head_dim)``.
 
         Returns
         -------
@@ -275,10 +273,8 @@ class MultiheadAttention:
         xk = query if self_attn else key
         xv = query if self_attn else value
         self._cache = None  # a failed call must not leave a stale cache behind
-        opts = dict(causal=causal, scale=1.0 / math.sqrt(self.head_dim),
-                    key_padding_mask=key_padding_mask, layout=layout, strategy=strategy,
-                    block_size=block_size, engine=engine, window=window, segment_ids=segment_ids,
-                    kv_segment_ids=kv_segment_ids, kv_layout=kv_layout)
+        opts = dict(options, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+                    kv_segment_ids=kv_segment_ids)
         with c.abort_on_error():  # a rank failing here would leave the others in attention()
             p, acc, dt = self.params, self.grad_dtype, self.dtype
             B, n, m = query.shape[0], query.shape[1], xk.shape[1]

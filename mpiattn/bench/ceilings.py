@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import backend
 from .tasks import Task, tile_key
-from .timing import Timer
+from ..timing import Timer
 
 __all__ = ["gemm_rate", "gemm_square", "gemm_tile", "attach"]
 

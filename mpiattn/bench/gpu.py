@@ -8,7 +8,7 @@ Run with one rank per GPU (``jobs/gpu_check.sh`` runs it on one GPU)::
 For every configuration (global length N, H heads, head dim E = Ev, dtype),
 cheapest first, and every engine asked for, it measures on the same GPUs in
 the same run, all with the bench's one harness
-(:class:`~mpiattn.bench.timing.Timer`: device-synchronised, between
+(:class:`~mpiattn.timing.Timer`: device-synchronised, between
 barriers):
 
 * ``ring``: ``mpiattn.attention(strategy="ring")`` forward, and forward +
@@ -46,7 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .tasks import Task, attention_flops
-from .timing import Timer
+from ..timing import Timer
 from .workloads import Unavailable, implementation, torch_impl
 
 __all__ = ["Options", "run_suite", "main"]

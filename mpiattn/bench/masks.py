@@ -24,7 +24,7 @@ The measured numbers and their commands are in ``benchmarks/masks/``. Two parts:
     ``max / min - 1`` (target for ``balanced``: within 10 %), the visible pairs
     per rank and the computed tiles per rank.
 
-Whole calls are timed with the bench's one harness (:class:`mpiattn.bench.timing.Timer`);
+Whole calls are timed with the bench's one harness (:class:`mpiattn.timing.Timer`);
 the per-rank compute time inside the kernels with :class:`KernelClock`.
 
 Usage::
@@ -51,7 +51,7 @@ from ..comm.core import get_comm
 from ..kernels import native
 from ..sharding import shard
 from ..strategies import attention, attention_backward
-from .timing import Timer
+from ..timing import Timer
 
 
 def documents(n: int, mean: int, seed: int) -> np.ndarray:

@@ -12,7 +12,7 @@ transfer hides: the transfer of one piece to the next rank alone, the
 piece's matmul alone, and both together (``Isend``/``Irecv`` posted, matmul,
 wait); ``hidden = (t_transfer + t_matmul - t_both) / t_transfer`` (1: fully
 hidden, 0: not at all). Both use the bench's one harness,
-:class:`~mpiattn.bench.timing.Timer`.
+:class:`~mpiattn.timing.Timer`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..layouts import local_length
 from .inputs import draw
 from .memory import MemoryMeter
 from .tasks import Settings, Task
-from .timing import Timer
+from ..timing import Timer
 
 __all__ = ["SHAPES", "product_task", "overlap_task"]
 

@@ -52,7 +52,7 @@ def run_task(c: Any, xp: Any, task: Task, settings: Settings, mem: MemoryMeter) 
         JSON-ready records.
     """
     from . import ceilings, products, workloads
-    from .timing import Timer
+    from ..timing import Timer
 
     kind = task.workload
     if kind == "attention":

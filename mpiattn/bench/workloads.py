@@ -13,7 +13,7 @@ Implementations of an ``attention`` :class:`~mpiattn.bench.tasks.Task`:
   ``no_grad`` and forward + backward through autograd.
 
 :func:`attention_task` times them with the bench's one harness
-(:class:`~mpiattn.bench.timing.Timer`) and returns JSON-ready records:
+(:class:`~mpiattn.timing.Timer`) and returns JSON-ready records:
 times (every repeat and the median, wall and CPU), nominal FLOPs, bytes
 sent per rank (read from :attr:`mpiattn.comm.Comm.bytes_sent` before and
 after), peak memory beside the model, and optionally the GEMM ceilings.
@@ -34,7 +34,7 @@ from . import ceilings
 from .inputs import local_dout, local_qkv
 from .memory import MemoryMeter, estimate_bytes, shard_bytes
 from .tasks import ENGINE_IMPLS, Settings, Task, attention_flops
-from .timing import Measurement, Timer
+from ..timing import Measurement, Timer
 
 __all__ = ["Impl", "Unavailable", "engines_supported", "implementation", "dense_impl", "torch_impl",
            "attention_task", "baseline_task"]

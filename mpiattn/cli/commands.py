@@ -14,10 +14,11 @@ import numpy as np
 from .. import __version__
 from .. import gpu, io
 from ..io import datagen
-from ..kernels import torch_ops
+from ..comm import errors
+from ..kernels import engines
 from ..layouts import all_segments
-from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError, agreed, local_errors
-from .steps import Timer, gpu_status, host_names, prepare_output, run_file, world_comm
+from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError
+from .steps import gpu_status, host_names, prepare_output, run_file, run_timer, world_comm
 
 
 
@@ -42,18 +43,16 @@ def cmd_example(args: Any, con: Console) -> int:
     """The default command: the bundled example, forward + backward, causal, checked."""
     c = world_comm()
     output = args.output
-    with agreed():
-        exists = c.bcast_obj(os.path.lexists(output))  # rank 0 decides for everybody
-        attrs = io.read_attributes(output, c) if exists else {}
-    with agreed():  # exists and attrs come from rank 0: every rank decides alike
+    exists = c.bcast_obj(os.path.lexists(output))  # rank 0 decides for everybody
+    attrs = io.read_attributes(output, c) if exists else {}
+    with errors.alike():  # exists and attrs come from rank 0: every rank decides alike
         if attrs is None or (exists and not attrs.get(EXAMPLE_ATTR)):
             raise FileExistsError(f"{os.path.abspath(output)} exists and is not an output of the "
                                   "mpiattn example; refusing to overwrite it (move it away or run "
                                   "in another directory)")
     args.check, args.causal = True, None
     with _example_input() as path:
-        with agreed():
-            missing = c.bcast_obj(path is None or not os.path.isfile(path))
+        missing = c.bcast_obj(path is None or not os.path.isfile(path))
         if missing:
             return _example_regenerated(c, con, args, output)
         return run_file(c, con, args, str(path), output, True, {EXAMPLE_ATTR: 1}, "example")
@@ -68,8 +67,7 @@ def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
     killed.
     """
     target = os.path.join(os.path.dirname(os.path.abspath(output)), "mpiattn-example-in.h5")
-    with agreed():
-        own = io.atomic.on_rank0(c, lambda: con.outputs.reserve(target), share=False)
+    own = io.atomic.on_rank0(c, lambda: con.outputs.reserve(target), share=False)
     name = c.bcast_obj(own.dir if c.rank == 0 else None)
     tmp = own if c.rank == 0 else con.outputs.adopt(name)
     regen = os.path.join(tmp.dir, "example-in.h5")
@@ -85,12 +83,12 @@ def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
 def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
                scale: float | None, force: bool, window: tuple | None = None) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
-    timer = Timer(c, con)
+    timer = run_timer(c, con)
     nbytes = sum(int(np.prod(shape, dtype=np.int64))
                  * {"key_padding_mask": 1, "segment_ids": 8}.get(name, np.dtype(spec.dtype).itemsize)
                  for name, (shape, _) in spec.datasets().items())
     prepare_output(c, con, output, force, nbytes)  # before generating anything
-    with timer.phase("generate"), local_errors(c):
+    with timer.phase("generate"), c.collective_errors():
         rows = {}
         for name, (shape, axis) in spec.datasets().items():
             segs = all_segments(shape[axis], c.size, "contiguous")[c.rank]
@@ -100,7 +98,7 @@ def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
              "docs": spec.docs or None,
              "window": None if window is None else [-1 if w is None else w for w in window],
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    with agreed(), timer.phase("write"):
+    with timer.phase("write"):
         io.write_rows(output, rows, c, attrs=attrs, force=force, outputs=con.outputs)
     return spec, timer.times
 
@@ -167,12 +165,16 @@ def cmd_info(args: Any, con: Console) -> int:
         con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
     con.say(f"CUDA-aware {transport}")
     _threads_lines(c, con, hosts, getattr(args, "threads_info", None))
-    torch_why = c.allgather_obj(torch_ops.available())
-    bad = [(r, why) for r, why in enumerate(torch_why) if why is not None]
-    con.say("engines    native (always); torch: "
-            + ("usable on every rank (auto uses it for NumPy float32/float64 with causal/padding masks)"
-               if not bad else f"not usable (rank {bad[0][0]}: {bad[0][1]}); auto uses native"))
+    con.say("engines    " + "; ".join(_engine_line(c, e) for e in engines.ENGINES.values())
+            + f"; auto: {engines.AUTO[0]}")
     return 0
+
+
+def _engine_line(c: Any, engine: Any) -> str:
+    """``native: usable``, or ``torch: not usable (rank 1: ...)`` (collective; may import torch)."""
+    why = c.allgather_obj(engine.usable("numpy"))
+    bad = [(r, w) for r, w in enumerate(why) if w is not None]
+    return f"{engine.name}: usable" if not bad else f"{engine.name}: not usable (rank {bad[0][0]}: {bad[0][1]})"
 
 
 def _threads_lines(c: Any, con: Console, hosts: list[str], threads: Any) -> None:
@@ -193,8 +195,7 @@ def cmd_clean(args: Any, con: Console) -> int:
     """``mpiattn clean [DIR]``: remove the temporaries of dead writers (never a live one's)."""
     c = world_comm()
     directory = os.path.abspath(args.directory)
-    with agreed():
-        stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory))
+    stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory))
     for path, size in stale.removed:
         con.say(f"removed {path} ({size / 2**20:.1f} MiB), left by an mpiattn writer that died")
     for path, why in stale.kept:

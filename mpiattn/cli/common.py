@@ -1,12 +1,11 @@
-"""What every CLI module shares: constants, the usage error, rank 0's console, error agreement."""
+"""What every CLI module shares: constants, the usage error, rank 0's console."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..io import Outputs
 
@@ -119,23 +118,3 @@ class Console:
             sys.stdout.flush()
 
         return update
-
-
-# ----------------------------------------------------------------- error agreement
-@contextlib.contextmanager
-def agreed() -> Iterator[None]:
-    """Mark errors of the block as raised identically on every rank (a collective mpiattn call)."""
-    try:
-        yield
-    except Exception as exc:
-        exc.mpiattnagreed = True  # type: ignore[attr-defined]
-        raise
-
-
-@contextlib.contextmanager
-def local_errors(c: Any) -> Iterator[None]:
-    """A purely local block whose error is agreed on by all ranks."""
-    with agreed(), c.collective_errors():
-        yield
-
-

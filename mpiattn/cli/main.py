@@ -10,9 +10,10 @@ not divide among the ranks), 1 runtime error (bad input file, unwritable
 output, full disk, failed check, broken launch, ...), ``128 + N`` when
 ended by signal ``N`` (SIGINT, SIGTERM, SIGHUP: see
 :mod:`mpiattn.cli.signals`). Each error is printed once. Errors of the
-collective steps are raised identically on every rank, so every rank
-returns the same code; an unexpected error on one rank only (a bug) is
-printed by that rank, which then aborts the job so nothing hangs.
+collective steps are raised identically on every rank and carry the marker
+:class:`mpiattn.comm.errors.Agreed`, so every rank returns the same code;
+any other error (one rank only: a bug) is printed by that rank, which then
+aborts the job so nothing hangs.
 
 Before any work :func:`main` checks that the launcher and MPI agree on the
 number of ranks and gives each rank its share of the node's cores for BLAS
@@ -32,6 +33,7 @@ import traceback
 import warnings
 from typing import Any
 
+from ..comm.errors import Agreed
 from ..comm.node import OversubscriptionWarning
 from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
 from .common import PLUGINS, Console, UsageError, world_rank
@@ -116,7 +118,7 @@ def _main(args: Any, con: Console) -> int:
         con.error(str(exc))
         return 2
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
-        if getattr(exc, "mpiattnagreed", False):
+        if isinstance(exc, Agreed):  # raised alike on every rank: every rank returns 1
             con.error(str(exc) or type(exc).__name__)
             return 1
         return _unexpected(exc, con)

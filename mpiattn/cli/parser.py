@@ -9,8 +9,8 @@ import math
 
 
 from .. import __version__
-from ..kernels.engines import ENGINES
-from ..strategies import STRATEGIES
+from ..kernels import engines
+from ..strategies import registry
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
@@ -90,15 +90,18 @@ def _window(text: str) -> tuple:
 # ----------------------------------------------------------------- the parser
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
 
-    p.add_argument("--strategy", choices=STRATEGIES, default="auto",
-                   help="distributed algorithm (default auto: chosen by a cost model)")
+    p.add_argument("--strategy", choices=registry.NAMES, default="auto",
+                   help="distributed algorithm: " + "; ".join(
+                       f"{name}" + ("" if s.auto else " (never chosen by auto)")
+                       for name, s in registry.STRATEGIES.items())
+                   + " (default auto: the cheapest supported, by words sent)")
     p.add_argument("--layout", choices=("auto", "contiguous", "zigzag", "balanced"), default="auto",
                    help="rows per rank; auto = zigzag when causal (load balance), else contiguous; "
                         "balanced = an equal share of visible pairs per rank, from the causal flag, "
                         "window and segment_ids (mpiattn.balance)")
-    p.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="local kernels: native (mpiattn's own), torch (torch's fused kernels), "
-                        "auto (torch where installed and supported, else native; the default)")
+    p.add_argument("--engine", choices=engines.NAMES, default="auto",
+                   help="local kernels: " + ", ".join(engines.ENGINES)
+                   + f" (default auto: {engines.AUTO[0]}, the reference)")
     p.add_argument("--block-size", type=_positive_int, default=None, metavar="ROWS",
                    help="rows per exchanged key/value block and score tile (default 512)")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto",

@@ -141,7 +141,6 @@ class Threads:
         if self.limiter is not None:
             limiter, self.limiter = self.limiter, None
             limiter.restore_original_limits()
-            nodes.refresh_blas_threads()
 
 
 class _Limits:
@@ -156,7 +155,6 @@ class _Limits:
             self.limiter = None
         else:
             self.limiter = threadpool_limits(limits=n)
-        nodes.refresh_blas_threads()
 
     def restore_original_limits(self) -> None:
         for var, value in self.saved.items():

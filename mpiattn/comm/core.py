@@ -19,10 +19,14 @@ ranks (benchmarks read it; it costs one integer addition per call).
 
 ``import mpiattn`` does not import ``mpi4py.MPI`` (which would initialise
 MPI). :func:`get_comm` duplicates the user's communicator on first use and
-caches the duplicate, so library traffic never matches user messages. At
-the same point it learns which ranks share a node (:mod:`mpiattn.comm.node`),
-and the first collective check of a public call warns once when those ranks
-run more BLAS threads than the node has cores.
+keeps the duplicate as an MPI attribute of the user's communicator (MPI's
+own attribute caching, ``MPI_Comm_create_keyval``), so library traffic never
+matches user messages, and the duplicate is freed when the user frees their
+communicator: nothing outlives it, and a program that makes and frees
+thousands of communicators does not run out of context ids. At the same
+point the Comm learns which ranks share a node (:mod:`mpiattn.comm.node`),
+and the first collective check of a public call on it warns when those
+ranks run more BLAS threads than the node has cores.
 """
 
 from __future__ import annotations
@@ -38,14 +42,30 @@ from . import errors, node
 __all__ = ["Comm", "Request", "get_comm"]
 
 
-_CACHE: dict[int, tuple[Any, "Comm"]] = {}
+#: The MPI attribute key under which a user's communicator keeps its :class:`Comm`
+#: (created once MPI runs; the only process-wide object here, MPI's own kind of key).
+_KEYVAL: list = []
+
+
+def _release(user_comm: Any, keyval: int, wrapped: "Comm") -> None:
+    """MPI's delete callback: the user freed their communicator, so free ours too."""
+    wrapped.free()
+
+
+def _keyval() -> int:
+    if not _KEYVAL:
+        from mpi4py import MPI
+
+        _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_release))
+    return _KEYVAL[0]
 
 
 def get_comm(comm: Any = None) -> "Comm":
-    """Return the cached :class:`Comm` for ``comm`` (default ``MPI.COMM_WORLD``).
+    """Return the :class:`Comm` of ``comm`` (default ``MPI.COMM_WORLD``).
 
     The first call for a communicator duplicates it (a collective call on
-    that communicator); later calls return the cached wrapper.
+    that communicator) and attaches the wrapper to it as an MPI attribute;
+    later calls find it there. Freeing ``comm`` frees the duplicate.
     """
     if isinstance(comm, Comm):
         return comm
@@ -54,12 +74,14 @@ def get_comm(comm: Any = None) -> "Comm":
     base = MPI.COMM_WORLD if comm is None else comm
     if not isinstance(base, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py.MPI.Intracomm, got {type(base).__name__}")
-    hit = _CACHE.get(id(base))
-    if hit is not None and hit[0] is base:
-        return hit[1]
-    wrapped = Comm(base.Dup())
-    wrapped.node = node.node_info(wrapped.mpi)  # collective, like the Dup: every rank is here
-    _CACHE[id(base)] = (base, wrapped)
+    if base == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL (freed, or not a member of it)")
+    key = _keyval()
+    wrapped = base.Get_attr(key)
+    if wrapped is None:
+        wrapped = Comm(base.Dup())
+        wrapped.node = node.node_info(wrapped.mpi)  # collective, like the Dup: every rank is here
+        base.Set_attr(key, wrapped)
     return wrapped
 
 
@@ -105,6 +127,21 @@ class Comm:
         self.node: node.NodeInfo | None = None
         #: Clean-ups an abort of this Comm runs first (:meth:`cleanup_on_abort`).
         self._abort_hooks: list[Callable[[], Any]] = []
+        #: Whether the BLAS threads of this Comm's node were checked (:meth:`allgather_checked`).
+        self._threads_checked = False
+
+    def free(self) -> None:
+        """Release the device transport and the duplicated communicator (local; idempotent)."""
+        if self.device_transport is not None:
+            transport, self.device_transport = self.device_transport, None
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - freeing must not fail
+                pass
+        from mpi4py import MPI
+
+        if self.mpi != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.mpi.Free()
 
     # ------------------------------------------------------------------ errors
     def collective_errors(self) -> contextlib.AbstractContextManager[None]:
@@ -114,11 +151,12 @@ class Comm:
     def allgather_checked(self, fn: Callable[[], Any]) -> list:
         """:func:`mpiattn.comm.errors.allgather_checked` on this communicator.
 
-        Every public call starts with it; the first one also warns (once per
-        process, no communication) when the node is oversubscribed with BLAS
+        Every public call starts with it; the first one on this Comm also
+        warns (no communication) when the node is oversubscribed with BLAS
         threads (:func:`mpiattn.comm.node.warn_if_oversubscribed`).
         """
-        if self.node is not None:
+        if self.node is not None and not self._threads_checked:
+            self._threads_checked = True
             node.warn_if_oversubscribed(self.node)
         return errors.allgather_checked(self.mpi, fn)
 

@@ -5,7 +5,11 @@ Two ways for a job to end cleanly when some rank fails:
 * :func:`agree` / :func:`allgather_checked` around purely local work: every
   rank learns whether any rank failed and then raises the exception of the
   lowest failing rank (same type and message), so every rank takes the same
-  branch and nobody waits in a collective the others never reach.
+  branch and nobody waits in a collective the others never reach. Checks on
+  data every rank holds (gathered metadata) raise inside :func:`alike`, or
+  through :func:`same_everywhere` / :func:`agree_fields` ("ranks disagree on
+  ..."). All these errors carry the marker :class:`Agreed`; anything else a
+  rank raises is its own failure.
 * :func:`abort_on_error` around communication: a rank that fails there may
   leave its peers blocked inside MPI, so it aborts the whole job.
 
@@ -28,8 +32,9 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["CollectiveError", "agree", "allgather_checked", "abort_on_error", "raise_first",
-           "claim_ending", "abort_job", "DEFER_S"]
+__all__ = ["CollectiveError", "Agreed", "mark", "alike", "same_everywhere", "agree_fields", "agree",
+           "allgather_checked", "abort_on_error", "raise_first", "claim_ending", "abort_job",
+           "DEFER_S"]
 
 #: Seconds a rank other than 0 waits before it aborts a job: when every rank
 #: fails (a full disk, a signal sent to all), rank 0's abort comes first and
@@ -48,8 +53,93 @@ class CollectiveError(RuntimeError):
     """Raised on every rank when a rank failed with an exception that cannot be rebuilt."""
 
 
+class Agreed:
+    """The marker of an exception raised alike on every rank (mixed into its class).
+
+    Every error that mpiattn decides collectively carries it: those of
+    :func:`agree` and :func:`allgather_checked`, and those raised inside
+    :func:`alike` from data every rank holds. ``isinstance(exc, Agreed)``
+    tells a caller (the command line) that every rank raises the same
+    exception, so nobody is left waiting; the exception keeps its own type
+    (``except ValueError`` still catches it).
+    """
+
+
+def mark(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of a subclass of its own type that also is :class:`Agreed`.
+
+    The message, arguments, cause and attributes are kept; ``exc`` itself
+    when it is marked already.
+    """
+    if isinstance(exc, Agreed):
+        return exc
+    cls = type(exc)
+    marked = type(cls.__name__, (cls, Agreed), {"__module__": cls.__module__,
+                                                 "__qualname__": cls.__qualname__})
+    try:
+        new = cls.__new__(marked, *exc.args)
+        new.args = exc.args
+        new.__dict__.update(getattr(exc, "__dict__", {}))
+        if isinstance(exc, OSError):
+            for attr in ("errno", "strerror", "filename", "filename2"):
+                if getattr(exc, attr) is not None:  # (None would change how it prints)
+                    setattr(new, attr, getattr(exc, attr))
+    except Exception:  # noqa: BLE001 - a class that cannot be derived: tell it as ours
+        new = type("CollectiveError", (CollectiveError, Agreed), {})(f"{cls.__name__}: {exc}")
+    new.__cause__, new.__context__ = exc.__cause__, exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    return new.with_traceback(exc.__traceback__)
+
+
+def _plain(cls: type) -> type:
+    """The user-visible class of a (possibly marked) exception class."""
+    return next(c for c in cls.__mro__ if Agreed not in c.__mro__) if issubclass(cls, Agreed) else cls
+
+
+@contextlib.contextmanager
+def alike() -> Iterator[None]:
+    """Mark the exceptions of a block that runs on data every rank holds (no communication).
+
+    For checks on gathered metadata: every rank takes the same branch and
+    raises the same exception, which this marks :class:`Agreed`.
+    """
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised, marked
+        marked = mark(exc)
+        if marked is exc:
+            raise
+        raise marked from None
+
+
+def same_everywhere(values: list, what: str, show: Callable[[Any], str] = repr) -> None:
+    """Raise (marked, every rank alike) unless every rank's entry of ``values`` equals rank 0's.
+
+    ``values`` is gathered (the same list on every rank); ``what`` names the
+    thing compared, e.g. ``"the layout"``; the message names the first rank
+    that differs: ``ranks disagree on the layout: rank 0 has X, rank 2 has Y``.
+    """
+    for r, value in enumerate(values):
+        if value != values[0]:
+            raise mark(ValueError(f"ranks disagree on {what}: rank 0 has {show(values[0])}, "
+                                  f"rank {r} has {show(value)}"))
+
+
+def agree_fields(mpi_comm: Any, fields: dict, what: str = "") -> list[dict]:
+    """Allgather every rank's ``fields`` (small, picklable) and check them field by field.
+
+    Returns every rank's dict. Raises (marked, alike) ValueError naming the
+    first field, in the order of rank 0's dict, on which a rank differs from
+    rank 0 (prefixed with ``what``, e.g. ``"attention: "``).
+    """
+    got = mpi_comm.allgather(fields) if mpi_comm.Get_size() > 1 else [fields]
+    for name in got[0]:
+        same_everywhere([g.get(name) for g in got], f"{what}{name}")
+    return got
+
+
 def _report(err: BaseException | None) -> tuple[type, str] | None:
-    return None if err is None else (type(err), str(err))
+    return None if err is None else (_plain(type(err)), str(err))
 
 
 def raise_first(reports: list, err: BaseException | None) -> None:
@@ -70,9 +160,9 @@ def raise_first(reports: list, err: BaseException | None) -> None:
         others = f" and {failed - 1} other rank(s)" if failed > 1 else ""
         msg = f"{msg} (raised on rank {first}{others})"
     try:
-        exc = cls(msg)
+        exc = mark(cls(msg))
     except Exception:  # noqa: BLE001 - exotic constructor
-        exc = CollectiveError(f"{cls.__name__}: {msg}")
+        exc = mark(CollectiveError(f"{cls.__name__}: {msg}"))
     if err is not None:
         raise exc from err
     raise exc
@@ -94,7 +184,7 @@ def agree(mpi_comm: Any) -> Iterator[None]:
         err = exc
     if mpi_comm.Get_size() == 1:
         if err is not None:
-            raise err
+            raise mark(err) from err.__cause__
         return
     from mpi4py import MPI
 
@@ -117,7 +207,7 @@ def allgather_checked(mpi_comm: Any, fn: Callable[[], Any]) -> list:
         err = exc
     if mpi_comm.Get_size() == 1:
         if err is not None:
-            raise err
+            raise mark(err) from err.__cause__
         return [result]
     reports = mpi_comm.allgather((_report(err), result))
     if any(rep is not None for rep, _ in reports):

@@ -81,26 +81,12 @@ def node_info(mpi_comm: Any) -> NodeInfo:
         node.Free()
 
 
-_BLAS: list = []
-
-
 def blas_threads() -> int | None:
     """The largest thread count of the BLAS/OpenMP pools loaded in this process (threadpoolctl).
 
-    None when threadpoolctl is not installed or finds no pool. Queried once
-    per process (:func:`refresh_blas_threads` forgets the answer).
+    None when threadpoolctl is not installed or finds no pool. Asked anew at
+    each call (a few milliseconds): callers ask once per communicator.
     """
-    if not _BLAS:
-        _BLAS.append(_query_blas())
-    return _BLAS[0]
-
-
-def refresh_blas_threads() -> None:
-    """Forget the cached :func:`blas_threads` (after changing the limits)."""
-    _BLAS.clear()
-
-
-def _query_blas() -> int | None:
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -126,14 +112,14 @@ def oversubscription(node: NodeInfo, threads: int | None) -> str | None:
             "itself")
 
 
-_WARNED: list = []
-
-
 def warn_if_oversubscribed(node: NodeInfo) -> None:
-    """Warn once per process (on the node's first rank) when the node is oversubscribed (local)."""
-    if _WARNED or node.local_rank != 0 or node.local_size == 1:
+    """Warn (on the node's first rank) when the node is oversubscribed (local).
+
+    :class:`mpiattn.comm.core.Comm` calls it once per communicator; Python's
+    warning filters then show it once per place in the user's code.
+    """
+    if node.local_rank != 0 or node.local_size == 1:
         return
-    _WARNED.append(True)
     text = oversubscription(node, blas_threads())
     if text:
         warnings.warn(text, OversubscriptionWarning, stacklevel=4)

@@ -21,6 +21,7 @@ import os
 import uuid
 from typing import Any, Callable
 
+from ..comm import errors
 from ..comm.core import Comm, get_comm
 from .paths import missing
 from .publishing import Outputs
@@ -232,9 +233,13 @@ def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force:
         outputs.discard(tmp, remove=c.rank == 0)
         c.barrier()  # nobody returns before the temporary file is gone
         if _disk_full(exc):
-            raise NoSpaceError(f"the disk filled up while writing {path} (No space left on "
-                               f"device); nothing was written under that name") from exc
-        raise
+            raise errors.mark(NoSpaceError(f"the disk filled up while writing {path} (No space "
+                                           f"left on device); nothing was written under that "
+                                           "name")) from exc
+        marked = errors.mark(exc)
+        if marked is exc:
+            raise
+        raise marked from exc.__cause__
     except BaseException:
         outputs.discard(tmp, remove=c.rank == 0)
         raise

@@ -1,21 +1,24 @@
-"""Local per-block attention engines (one rank, no MPI).
+"""Local attention engines (one rank, no MPI) and the library's dense reference.
 
+``engine``
+    what an engine is: the interface and its declared capabilities;
 ``native``
-    mpiattn's own blocked kernels on NumPy or CuPy: the reference, every
-    dtype and mask.
-``masks``
-    which (query, key) pairs a block may use, decided per tile;
-``fused``
-    fused CuPy kernels for the forward's elementwise steps (used by
-    ``native`` on a GPU when switched on).
+    mpiattn's own blocked kernels on NumPy or CuPy (the math);
+``native_engine``, ``torch_engine``
+    the engines (``torch_ops``: torch's kernels on one block; ``fused``:
+    fused CuPy kernels for the native forward, opt-in);
+``engines``
+    the registry and the ``auto`` rule;
+``reference``
+    dense attention that materialises the scores (``--check``, the
+    benchmark's peer).
 """
 
 from __future__ import annotations
 
-from .masks import BlockMask, padding_bias
-from .native import (DEFAULT_TILE, TAU, BackwardInputs, ForwardState, Workspace, backward_block,
-                     finalize, fold_queries, forward_block, unfold_rows)
+from .engine import Capabilities, Engine
+from .engines import ENGINES, NAMES, get, local_choice
+from .native import DEFAULT_TILE, TAU
 
-__all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
-           "forward_block", "finalize", "backward_block", "padding_bias", "BlockMask",
-           "DEFAULT_TILE", "TAU"]
+__all__ = ["Capabilities", "Engine", "ENGINES", "NAMES", "get", "local_choice", "DEFAULT_TILE",
+           "TAU"]

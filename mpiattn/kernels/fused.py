@@ -4,10 +4,10 @@
 array code: on a GPU every step is a kernel that reads (and often writes)
 the whole score tile, so for head dimensions of 64-128 those passes, not
 the GEMMs, bound the speed. The functions here do the same arithmetic in
-fewer passes. Each takes NumPy or CuPy arrays: on NumPy (or unless
-``MPIATTN_FUSED_KERNELS=1``) it runs the generic version in
-:data:`generic`, on CuPy the fused kernel, compiled on first use.
-:mod:`mpiattn.kernels.native` switches them in when :func:`use_fused` says so.
+fewer passes. Each takes NumPy or CuPy arrays: on NumPy it runs the generic
+version in :data:`generic`, on CuPy the fused kernel, compiled on first use.
+:mod:`mpiattn.kernels.native` calls them when a call asks for them
+(``MPIATTN_FUSED_KERNELS=1``, read once per call and agreed by every rank).
 They are opt-in until ``jobs/gpu_check.sh`` has compared them with the
 generic code on a real GPU (no session so far had one).
 
@@ -32,7 +32,6 @@ per score is one exp and one multiply, already folded around its GEMMs.)
 
 from __future__ import annotations
 
-import os
 import types
 from typing import Any
 
@@ -40,12 +39,7 @@ import numpy as np
 
 from .. import backend
 
-__all__ = ["use_fused", "softmax_step_", "rescale_add_", "generic"]
-
-
-def use_fused(xp: Any) -> bool:
-    """True when ``xp`` is CuPy and ``MPIATTN_FUSED_KERNELS=1`` (opt-in: not yet run on a GPU)."""
-    return xp is not np and os.environ.get("MPIATTN_FUSED_KERNELS", "0") == "1"
+__all__ = ["softmax_step_", "rescale_add_", "generic"]
 
 
 # ------------------------------------------------------------------- generic
@@ -206,7 +200,7 @@ def softmax_step_(S: Any, m: Any, l: Any) -> Any:
     CuPy: one kernel reads the tile twice (the second read mostly from L2)
     and writes it once; the generic code makes about six passes.
     """
-    if not use_fused(backend.array_module(S)):
+    if backend.array_module(S) is np:
         return _ref_softmax_step_(S, m, l)
     _check(S, m, l)
     cp = backend.array_module(S)
@@ -225,7 +219,7 @@ def rescale_add_(O: Any, alpha: Any, PV: Any) -> None:
     alpha : (..., r)
     """
     xp = backend.array_module(O)
-    if not use_fused(xp):
+    if xp is np:
         return _ref_rescale_add_(O, alpha, PV)
     _elementwise(xp, "scale_add")(alpha[..., None], PV, O)
     return None

@@ -44,9 +44,10 @@ Backward, recomputing ``P`` from ``lse``::
 is multiplied by ``s`` once at the end; ``- lse`` and ``- D`` are folded into
 their GEMMs by an extra column, as in the forward pass.)
 
-On CuPy with ``MPIATTN_FUSED_KERNELS=1`` the forward elementwise steps of a
-tile run as fused kernels from :mod:`mpiattn.kernels.fused` (exact running
-maximum, fewer passes): :func:`_tile_fused` instead of :func:`_tile_generic`.
+On CuPy with ``fused`` (``MPIATTN_FUSED_KERNELS=1``, read once per call) the
+forward elementwise steps of a tile run as fused kernels from
+:mod:`mpiattn.kernels.fused` (exact running maximum, fewer passes):
+:func:`_tile_fused` instead of :func:`_tile_generic`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import numpy as np
 
 from .. import backend
 from . import fused
-from .masks import BlockMask
+from ..masks import BlockMask
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
            "forward_block", "finalize", "backward_block", "DEFAULT_TILE", "TAU"]
@@ -237,7 +238,7 @@ def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None
 
 
 def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
-                  tile: int = DEFAULT_TILE) -> None:
+                  tile: int = DEFAULT_TILE, fused_kernels: bool = False) -> None:
     """Fold one block of keys/values into the running state (in place).
 
     Parameters
@@ -254,6 +255,8 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
         skipped.
     tile : int
         Edge of the score tile: at most ``tile*G x tile`` scores per (B, Hkv) at once.
+    fused_kernels : bool
+        On CuPy, the fused kernels of :mod:`mpiattn.kernels.fused` (NumPy: ignored).
 
     Notes
     -----
@@ -264,7 +267,7 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     ws, dt = st.ws, st.qa.dtype
     lead = st.qa.shape[:2]
     n, nk = mask.q_pos.size, mask.k_pos.size
-    tile_step = _tile_fused if fused.use_fused(xp) else _tile_generic
+    tile_step = _tile_fused if fused_kernels and xp is not np else _tile_generic
     for j0 in _tiles(nk, tile):
         j1 = min(j0 + tile, nk)
         tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)

@@ -30,10 +30,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import backend
+from ..masks import BlockMask
 from . import torch_ops
-from .masks import BlockMask
+from .engine import Capabilities, Engine
+from .native import DEFAULT_TILE
 
-__all__ = ["TorchEngine", "supports", "runs"]
+__all__ = ["TorchEngine", "runs"]
 
 #: Target bytes of one key/value block in flight when the caller gave no block size.
 BLOCK_BYTES = 64 * 2**20
@@ -46,36 +48,6 @@ def runs(pos: np.ndarray) -> list[tuple[int, int]]:
     cuts = np.flatnonzero(np.diff(pos) != 1) + 1
     edges = [0, *cuts.tolist(), int(pos.size)]
     return list(zip(edges[:-1], edges[1:]))
-
-
-def supports(xp_name: str, dtype: Any, E: int, Ev: int, rules: tuple[str, ...]) -> str | None:
-    """None when the torch engine handles the case, else a one-line reason (local, no MPI).
-
-    Parameters
-    ----------
-    xp_name : {"numpy", "cupy"}
-    dtype : the inputs' dtype
-    E, Ev : head dims
-    rules : the active mask rules, e.g. ``("causal", "padding")``
-    """
-    extra = [r for r in rules if r not in ("causal", "padding")]
-    if extra:
-        return f"the torch engine has no {', '.join(extra)} masks"
-    dt = np.dtype(dtype)
-    if xp_name == "cupy":
-        if dt not in (np.float16, np.float32):
-            return f"the torch engine on CUDA takes float16 or float32, not {dt}"
-        if E % 8 or Ev % 8:
-            return "the torch engine on CUDA needs head dims that are multiples of 8"
-    elif dt not in (np.float16, np.float32, np.float64):
-        return f"the torch engine takes float16, float32 or float64, not {dt}"
-    why = torch_ops.available()
-    if why is None and xp_name == "cupy":
-        import torch
-
-        if not torch.cuda.is_available():
-            return "torch has no CUDA here"
-    return why
 
 
 def _calls(mask: BlockMask) -> Iterator[tuple[int, int, int, int, bool]]:
@@ -100,7 +72,7 @@ def _padding(mask: BlockMask, j0: int, j1: int) -> Any:
 
 
 class _TorchForward:
-    def __init__(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, finite: bool = False):
+    def __init__(self, q: Any, scale: float, acc_dtype: Any, ev: int, finite: bool):
         xp = backend.array_module(q)
         B, H, n, _ = q.shape
         self.q, self.scale, self.finite = q, scale, finite
@@ -108,7 +80,7 @@ class _TorchForward:
         self.lse = xp.full((B, H, n), -np.inf, dtype=acc_dtype)
         self.bad_rows: np.ndarray | None = None
 
-    def add(self, k: Any, v: Any, mask: BlockMask, tile: int) -> None:
+    def add(self, k: Any, v: Any, mask: BlockMask) -> None:
         if not self.finite:
             self._mark_nonfinite_keys(k, mask)
         for i0, i1, j0, j1, aligned in _calls(mask):
@@ -157,7 +129,7 @@ class _TorchBackward:
         self.lse = lse
         self.dq = xp.zeros(q.shape, dtype=acc_dtype)
 
-    def add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any, tile: int) -> None:
+    def add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any) -> None:
         for i0, i1, j0, j1, aligned in _calls(mask):
             dq_c, dk_c, dv_c = torch_ops.block_backward(
                 self.dout[:, :, i0:i1], self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1],
@@ -171,26 +143,40 @@ class _TorchBackward:
         return self.dq
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     """torch's fused kernels per block (see the module docstring for what it supports)."""
 
     name = "torch"
+    capabilities = Capabilities(
+        dtypes={"numpy": ("float16", "float32", "float64"), "cupy": ("float16", "float32")},
+        rules=("causal", "padding"), needs_out=True, head_dim_multiple={"cupy": 8})
 
-    def forward(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int,
-                finite: bool = False) -> _TorchForward:
-        """Start a forward pass for queries ``q (B, H, n, E)``.
+    def usable(self, device: str) -> str | None:
+        """None when torch imports here, its kernels have the expected signatures, and (for
+        CuPy arrays) it has CUDA; else why not. Imports torch."""
+        why = torch_ops.available()
+        if why is None and device == "cupy":
+            import torch
+
+            if not torch.cuda.is_available():
+                return "torch has no CUDA here"
+        return why
+
+    def block_rows(self, spec: Any, max_rows: int) -> int:
+        """Large blocks (few calls, few merges): up to :data:`BLOCK_BYTES` per block in flight."""
+        row_bytes = spec.B * spec.Hkv * (spec.E + spec.Ev) * np.dtype(spec.dtype).itemsize
+        return max(DEFAULT_TILE, min(max(max_rows, 1), BLOCK_BYTES // max(row_bytes, 1)))
+
+    def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
+                finite: bool = False, fused: bool = False) -> _TorchForward:
+        """Start a forward pass for queries ``q (B, H, n, E)`` (``tile``, ``fused``: unused).
 
         With ``finite`` (the inputs were checked for NaN and Inf), the passes
         that make non-finite rows come out NaN are skipped.
         """
-        return _TorchForward(q, hkv, scale, acc_dtype, ev, finite)
+        return _TorchForward(q, scale, acc_dtype, ev, finite)
 
-    def backward(self, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any) -> _TorchBackward:
+    def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
+                 acc_dtype: Any, tile: int) -> _TorchBackward:
         """Start a backward pass with the global ``out`` and ``lse`` (torch forms ``D`` itself)."""
         return _TorchBackward(q, dout, out, lse, scale, acc_dtype)
-
-    @staticmethod
-    def block_rows(default: int, *, row_bytes: int, max_rows: int) -> int:
-        """Large blocks (few calls, few merges): up to :data:`BLOCK_BYTES` per block in flight."""
-        return max(default, min(max(max_rows, 1), BLOCK_BYTES // max(row_bytes, 1)))

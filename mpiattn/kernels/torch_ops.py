@@ -4,10 +4,12 @@ NumPy arrays in and out on CPU (``torch.from_numpy``: no copy), CuPy arrays on C
 (DLPack, on CuPy's current stream). torch is imported lazily (:func:`_torch`), only
 when the torch engine is chosen; :mod:`mpiattn.kernels.torch_engine` splits a block
 into the calls made here. Private torch ops are not a stable API: each op's schema is
-compared with the one recorded here at first use, and :func:`available` says why not.
+compared with the one recorded here (:data:`_SCHEMAS`) whenever it is fetched, and
+:func:`available` says why not. Support is decided by those schemas, not by the
+version number: a torch whose ops have the recorded signatures is used.
 
-Findings, torch 2.13.0+cpu (the only version tested; see :data:`TESTED_TORCH`)
--------------------------------------------------------------------------------
+Findings, torch 2.13.0+cpu (see :data:`TESTED_TORCH` for the versions tested)
+------------------------------------------------------------------------------
 * CPU ops (schemas in :data:`_SCHEMAS`): ``_scaled_dot_product_flash_attention_for_cpu``
   -> ``(output, logsumexp)`` and ``..._for_cpu_backward`` -> ``(dq, dk, dv)``.
 * dtypes: float32, float64, float16, bfloat16 (NumPy and CuPy have no bfloat16, so it is
@@ -46,7 +48,6 @@ bias padded to 16 columns, causal top-left, lse padded to 32 rows). float64: not
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -54,6 +55,7 @@ import numpy as np
 
 from .. import backend
 
+#: The torch versions the engine was tested with (informative: the schemas decide).
 TESTED_TORCH = ("2.13",)
 _CPU_F = "_scaled_dot_product_flash_attention_for_cpu"
 _SCHEMAS = {
@@ -79,28 +81,21 @@ _SCHEMAS = {
     " Tensor philox_offset, float dropout_p, bool[4] grad_input_mask, bool is_causal=False, *,"
     " float? scale=None) -> (Tensor, Tensor, Tensor, Tensor)",
 }
-_checked: set[str] = set()
-
-
 def _torch() -> Any:
-    """Import torch (lazily) and check its version; raise ImportError/RuntimeError."""
+    """Import torch (lazily); ImportError when it is not installed."""
     import torch
 
-    ver = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if ver not in TESTED_TORCH and not os.environ.get("MPIATTN_TORCH_UNTESTED"):
-        raise RuntimeError(f"torch {torch.__version__} untested (tested: {', '.join(TESTED_TORCH)};"
-                           " set MPIATTN_TORCH_UNTESTED=1 to try)")
     return torch
 
 
 def _op(name: str) -> Any:
-    """Return ``torch.ops.aten.<name>.default`` after checking its schema once."""
-    op = getattr(_torch().ops.aten, name).default
-    if name not in _checked:
-        got = str(op._schema)
-        if got != f"aten::{name}{_SCHEMAS[name]}":
-            raise RuntimeError(f"torch op aten::{name} changed signature: {got}")
-        _checked.add(name)
+    """``torch.ops.aten.<name>.default``, its schema checked against :data:`_SCHEMAS`."""
+    torch = _torch()
+    op = getattr(torch.ops.aten, name).default
+    got = str(op._schema)
+    if got != f"aten::{name}{_SCHEMAS[name]}":
+        raise RuntimeError(f"torch {torch.__version__}: op aten::{name} has another signature "
+                           f"than the one the torch engine was written for: {got}")
     return op
 
 

@@ -1,110 +1,102 @@
-"""A validated attention call: the checks every rank agrees on, and what they produce.
+"""A validated attention call: built from this rank's arrays, agreed by every rank, then planned.
 
 :func:`validate` runs the local checks of every rank and one metadata
-allgather; from then on every rank holds the same facts, so every later
-decision (strategy, block size, error) is the same everywhere.
+allgather; the ranks' specs are compared field by field (an error names the
+field they disagree on), and from then on every rank holds the same
+:class:`~mpiattn.strategies.spec.AttentionSpec`, so every later decision
+(engine, block size, strategy, error) is the same everywhere. The result is
+a :class:`Problem`: the spec, the chosen strategy and engine, the block
+sizes, and the gathered document ids.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from .. import backend
+from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import DEFAULT_TILE, engines
-from ..layouts import (all_segments, check_layout, check_shares, layout_key, local_lengths, positions,
-                       to_global_order)
-from . import masking
-from .cost import choose_strategy
+from ..kernels.engine import Engine
+from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
+from ..masks import MaskSpec, QuerySide
+from ..masks.ids import global_rows, local_ids
+from . import registry
+from .base import Strategy
+from .spec import AttentionSpec, Options
 
-__all__ = ["STRATEGIES", "DEFAULT_BLOCK", "Progress", "Problem", "validate", "report", "full_mask"]
+__all__ = ["Problem", "validate", "FUSED_VARIABLE"]
 
-STRATEGIES = ("auto", "ring", "allgather", "ulysses", "materialized")
-
-#: Default rows per exchanged key/value block (and score-tile edge).
-DEFAULT_BLOCK = DEFAULT_TILE
-
-Progress = Callable[[int, int], None] | None
+#: The environment switch of the fused CuPy kernels (read once per call, agreed).
+FUSED_VARIABLE = "MPIATTN_FUSED_KERNELS"
 
 
 @dataclass(frozen=True)
 class Problem:
-    """A validated call, identical on every rank except ``rank``.
+    """A validated, planned call: the same on every rank except ``rank``.
 
-    ``acc_dtype`` is the accumulation dtype (:func:`mpiattn.backend.accum_dtype`).
-    ``block`` is the rows per exchanged key/value block, ``tile`` the edge of
-    the native engine's score tile, ``engine`` the local engine every rank
-    agreed on (:mod:`mpiattn.kernels.engines`) and ``engine_reason`` why;
-    ``finite`` says every rank's inputs were checked to hold no NaN or Inf.
-    ``layout`` and ``kv_layout`` are the rows' layouts of queries and keys
-    (names or :class:`mpiattn.Layout`), ``window`` the ``(left, right)``
-    window or None, ``seg_q`` ``(B, N)`` and ``seg_k`` ``(B, M)`` the global
-    document ids (host int64, global order) or None
-    (:mod:`mpiattn.strategies.masking`).
+    Attributes
+    ----------
+    spec : AttentionSpec
+    P, rank : int
+    strategy : Strategy
+        With ``strategy_reason``, why it was chosen.
+    engine : Engine
+        With ``engine_reason``.
+    block : int
+        Rows per exchanged key/value block.
+    tile : int
+        Edge of the native engine's score tile.
+    finite : bool
+        Every rank checked its inputs to hold no NaN or Inf.
+    seg_q, seg_k : (B, N), (B, M) host int64 arrays or None
+        The global document ids (global order).
     """
 
-    B: int
-    H: int
-    Hkv: int
-    E: int
-    Ev: int
-    N: int
-    M: int
-    dtype: np.dtype
-    acc_dtype: np.dtype
-    scale: float
-    causal: bool
-    layout: Any
-    strategy: str
-    block: int
-    masked: bool
+    spec: AttentionSpec
     P: int
     rank: int
-    engine: str = "native"
+    strategy: Strategy
+    engine: Engine
+    block: int
+    tile: int
+    finite: bool
+    strategy_reason: str = ""
     engine_reason: str = ""
-    tile: int = DEFAULT_TILE
-    kv_layout: Any = None
-    window: tuple | None = None
     seg_q: Any = field(default=None, compare=False, repr=False)
     seg_k: Any = field(default=None, compare=False, repr=False)
-    finite: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kv_layout is None:
-            object.__setattr__(self, "kv_layout", self.layout)
-
-    @property
-    def G(self) -> int:
-        return self.H // self.Hkv
-
-    @property
-    def rules(self) -> tuple[str, ...]:
-        """The active mask rules (see :data:`mpiattn.kernels.masks.RULES`)."""
-        return masking.rules_of(self.causal, self.window, self.seg_q, True if self.masked else None)
 
     def q_pos(self) -> np.ndarray:
-        return positions(all_segments(self.N, self.P, self.layout)[self.rank])
+        """Global positions of this rank's queries (local order)."""
+        return positions(all_segments(self.spec.N, self.P, self.spec.layout)[self.rank])
+
+    def queries(self) -> QuerySide:
+        """This rank's queries as the key blocks of this call see them (one per call)."""
+        return QuerySide.of(self.q_pos(), self.seg_q)
+
+    def relaid(self, layout: Any) -> "Problem":
+        """The same call with queries and keys in ``layout`` (the ids are global: unchanged)."""
+        return replace(self, spec=replace(self.spec, layout=layout, kv_layout=layout))
+
+    def details(self) -> dict:
+        """What the call used: ``strategy``, ``engine`` and their reasons, ``block_size``."""
+        return {"strategy": self.strategy.name, "strategy_reason": self.strategy_reason,
+                "engine": self.engine.name, "engine_reason": self.engine_reason,
+                "block_size": self.block}
 
 
-# --------------------------------------------------------------- validation
-def _local_meta(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], *, causal: bool,
-                scale: float | None, layout: str, strategy: str, block_size: int | None,
-                check_finite: bool, engine: str = "auto", window: Any = None,
-                segment_ids: Any = None, kv_segment_ids: Any = None, kv_layout: Any = None,
-                ids: dict | None = None) -> tuple:
+# --------------------------------------------------------------- local checks
+def _check_arrays(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any]) -> Any:
+    """The local shape and dtype checks; returns the array module."""
     xp = backend.array_module(q, k, v, *extra.values())
     if mask is not None and backend.array_module(mask) is not xp:
         raise TypeError("key_padding_mask is not on the same backend (NumPy/CuPy) as q, k, v")
-    check_layout(layout)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if engine not in engines.ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(engines.ENGINES)}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, sequence, feature), got shape {x.shape}")
@@ -128,10 +120,6 @@ def _local_meta(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], *, cau
             raise TypeError(f"key_padding_mask must be bool (True = padding), got {mask.dtype}")
         if mask.shape != (B, m):
             raise ValueError(f"key_padding_mask must have shape (B, m_r) = {(B, m)}, got {mask.shape}")
-    if scale is not None and not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    if block_size is not None and (not isinstance(block_size, (int, np.integer)) or block_size < 1):
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     Ev = v.shape[3]
     want = {"dout": (B, H, n, Ev), "out": (B, H, n, Ev), "lse": (B, H, n)}
     for name, x in extra.items():
@@ -141,91 +129,104 @@ def _local_meta(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], *, cau
             raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}")
         if name == "lse" and x.dtype.kind != "f":
             raise TypeError(f"lse must be floating point, got {x.dtype}")
-    if check_finite:
+    return xp
+
+
+def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: dict,
+           segment_ids: Any, kv_segment_ids: Any, ids: dict) -> dict:
+    """This rank's view of the call (inside the validation allgather: errors are agreed)."""
+    options = Options.of(settings.pop("options", None), **settings)
+    if options.strategy not in registry.NAMES:
+        raise ValueError(f"unknown strategy {options.strategy!r}; expected one of "
+                         f"{', '.join(registry.NAMES)}")
+    if options.engine not in engines.NAMES:
+        raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
+    xp = _check_arrays(q, k, v, mask, extra)
+    if options.check_finite:
         for name, x in (("q", q), ("k", k), ("v", v), *[(nm, x) for nm, x in extra.items() if nm != "lse"]):
             if x.size and not bool(xp.isfinite(x).all()):
                 raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-    masks = masking.local_meta(window, segment_ids, kv_segment_ids, kv_layout, B, n, m, xp,
-                               {} if ids is None else ids)
-    rules = masking.rules_of(causal, masks[0], segment_ids, mask)
-    return ((B, H, Hkv, E, Ev), str(q.dtype), n, m, bool(causal),
-            None if scale is None else float(scale), layout_key(layout), strategy, block_size,
-            mask is not None, xp.__name__, masks, engine,
-            engines.local_choice(engine, xp.__name__, q.dtype, E, v.shape[3], rules))
-
-
-def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], **kw: Any) -> Problem:
-    """Check a call on every rank (one metadata allgather) and return its :class:`Problem`.
-
-    Raises the same ValueError/TypeError on every rank when any rank's
-    arguments are bad or the ranks disagree; then chooses the device
-    transport for CuPy arrays (a collective point every rank reaches).
-    """
-    ids: dict = {}
-    metas = c.allgather_checked(lambda: _local_meta(q, k, v, mask, extra, ids=ids, **kw))
-    head = metas[0]
-    names = ("shapes (B, H, Hkv, E, Ev)", "dtype", None, None, "causal", "scale", "layout",
-             "strategy", "block_size", "key_padding_mask presence", "backend",
-             "masks (window, kv_layout, segment_ids and kv_segment_ids presence)", "engine", None)
-    for r, meta in enumerate(metas):
-        for i, name in enumerate(names):
-            if name is not None and meta[i] != head[i]:
-                raise ValueError(f"ranks disagree on {name}: rank 0 has {head[i]!r}, rank {r} has {meta[i]!r}")
-    (B, H, Hkv, E, Ev), dtype, _, _, causal, scale, _, strategy, block, masked, _, _, _, _ = head
-    layout = kw.get("layout", "contiguous")  # the same on every rank (its key was compared)
-    N = sum(meta[2] for meta in metas)
-    M = sum(meta[3] for meta in metas)
-    check_shares([meta[2] for meta in metas], layout, "query rows (q)")
-    dt = np.dtype(dtype)
-    engine, why = _agree_engine([meta[-1] for meta in metas], head[-2])
-    engines.notice_fallback(c.rank, head[-2], engine, why)
-    tile = int(block or DEFAULT_BLOCK)
-    prob = Problem(B, H, Hkv, E, Ev, N, M, dt, backend.accum_dtype(dt),
-                   1.0 / math.sqrt(E) if scale is None else scale, causal, layout, strategy,
-                   tile, masked, c.size, c.rank, engine, why, tile)
-    kv_layout = masking.key_layout(prob, layout, kw.get("kv_layout"))
-    check_shares([meta[3] for meta in metas], kv_layout, "key/value rows (k, v)")
-    prob = _resolve(prob)
-    if block is None:  # the engine's preferred ring block (the cost model used the default)
-        row_bytes = B * Hkv * (E + Ev) * dt.itemsize
-        rows = engines.get(engine).block_rows(DEFAULT_BLOCK, row_bytes=row_bytes,
-                                              max_rows=max(meta[3] for meta in metas))
-        prob = replace(prob, block=int(rows))
-    if kw.get("check_finite"):  # every rank checked its inputs: engines need not look for NaN again
-        prob = replace(prob, finite=True)
-    prepare(c, q, k, v)  # every rank is here, with the same backend
-    return masking.complete(c, prob, [meta[11] for meta in metas], ids, kv_layout)
+    B, H, n, E = q.shape
+    Hkv, m, Ev = k.shape[1], k.shape[2], v.shape[3]
+    if kv_segment_ids is not None and segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
+    if segment_ids is not None:
+        ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
+    if kv_segment_ids is not None:
+        ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
+    mask_spec = MaskSpec(options.causal, options.window, segment_ids is not None,
+                         kv_segment_ids is not None, mask is not None)
+    fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
+    here = AttentionSpec(B, H, Hkv, E, Ev, n, m, np.dtype(q.dtype), xp.__name__,
+                         1.0 / math.sqrt(E) if options.scale is None else options.scale, mask_spec,
+                         options.layout, options.kv_layout, options, fused)
+    return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
+            "backend": xp.__name__, "options": options.key(), "masks": mask_spec,
+            f"the environment's {FUSED_VARIABLE}": fused,
+            "_n": n, "_m": m, "_spec": here,
+            "_engine": engines.local_choice(options.engine, here)}
 
 
 def _agree_engine(choices: list[tuple[str, str]], requested: str) -> tuple[str, str]:
     """The engine every rank uses, from each rank's local choice (the same answer everywhere)."""
     for r, (name, why) in enumerate(choices):
-        if requested == "torch" and not name:
-            raise ValueError(f"engine 'torch' cannot run on rank {r}: {why}; use engine='native' or 'auto'")
-    native = [(r, why) for r, (name, why) in enumerate(choices) if name != "torch"]
-    if not native:
-        return "torch", choices[0][1]
-    r, why = native[0]
-    return "native", why if len(choices) == 1 else f"rank {r}: {why}"
+        if not name:
+            raise ValueError(f"engine {requested!r} cannot run on rank {r}: {why}; use "
+                             "engine='native' or 'auto'")
+    return choices[0]
 
 
-def _resolve(pb: Problem) -> Problem:
-    if pb.strategy == "ulysses" and (pb.H % pb.P or pb.Hkv % pb.P):
-        raise ValueError(f"strategy 'ulysses' needs H ({pb.H}) and Hkv ({pb.Hkv}) divisible by "
-                         f"the number of ranks ({pb.P}); use 'ring' or 'allgather'")
-    if pb.strategy != "auto":
-        return pb
-    return replace(pb, strategy=choose_strategy(pb.N, pb.M, pb.H, pb.Hkv, pb.E, pb.Ev, pb.P, pb.block))
+def _key_layout(options: Options, N: int, M: int) -> Any:
+    """The keys' layout (``kv_layout``, default ``layout``), checked against ``M``."""
+    if options.kv_layout is not None:
+        return options.kv_layout
+    if isinstance(options.layout, Layout) and options.layout.n != M:
+        raise ValueError(f"the layout is an explicit Layout of {options.layout.n} rows, but the keys "
+                         f"have M = {M} rows; pass kv_layout= for the keys")
+    return options.layout
 
 
-def report(progress: Progress, done: int, total: int) -> None:
-    """Call ``progress(done, total)`` when a callback was given."""
-    if progress is not None:
-        progress(done, total)
+# --------------------------------------------------------------- the call
+def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
+             settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None) -> Problem:
+    """Check a call on every rank (one metadata allgather) and plan it: its :class:`Problem`.
 
-
-def full_mask(c: Comm, pb: Problem, mask: Any) -> Any:
-    """Every rank's ``(B, m_r)`` padding mask -> the global ``(B, M)`` mask on every rank."""
-    xp = backend.array_module(mask)
-    rows = c.allgatherv_rows(xp.ascontiguousarray(mask.T), local_lengths(pb.M, pb.P, pb.kv_layout))
-    return xp.ascontiguousarray(to_global_order(rows, pb.M, pb.P, pb.kv_layout).T)
+    ``settings`` are the :class:`Options` keywords (and ``options``) the
+    caller passed. Raises the same (:class:`mpiattn.comm.errors.Agreed`)
+    ValueError/TypeError on every rank when any rank's arguments are bad or
+    the ranks disagree; then chooses the device transport for CuPy arrays
+    and gathers the document ids (collective points every rank reaches).
+    """
+    ids: dict = {}
+    got = c.allgather_checked(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
+                                             kv_segment_ids, ids))
+    with errors.alike():  # from here on every rank decides on the same gathered data
+        for name in got[0]:
+            if not name.startswith("_"):
+                errors.same_everywhere([g[name] for g in got], name)
+        here: AttentionSpec = got[0]["_spec"]
+        options = here.options
+        N, M = sum(g["_n"] for g in got), sum(g["_m"] for g in got)
+        check_shares([g["_n"] for g in got], options.layout, "query rows (q)")
+        kv_layout = _key_layout(options, N, M)
+        check_shares([g["_m"] for g in got], kv_layout, "key/value rows (k, v)")
+        if here.mask.segments and not here.mask.kv_segments and (
+                N != M or layout_key(options.layout) != layout_key(kv_layout)):
+            raise ValueError(
+                "kv_segment_ids omitted: the keys take the queries' document ids, which needs "
+                f"N == M and one layout for queries and keys (here N = {N}, M = {M}, layouts "
+                f"{describe(options.layout)} and {describe(kv_layout)}); pass kv_segment_ids")
+        spec = replace(here, N=N, M=M, kv_layout=kv_layout)
+        engine_name, engine_reason = _agree_engine([g["_engine"] for g in got], options.engine)
+        engine = engines.get(engine_name)
+        max_m = max(g["_m"] for g in got)
+        block = options.block_size or engine.block_rows(spec, max_m)
+        strategy, strategy_reason = registry.resolve(spec, c.size, block)
+    prepare(c, q, k, v)  # every rank is here, with the same backend
+    seg_q = seg_k = None
+    if spec.mask.segments:
+        seg_q = global_rows(c, ids["q"], N, spec.layout)
+        seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
+    return Problem(spec, c.size, c.rank, strategy, engine, int(block),
+                   int(options.block_size or DEFAULT_TILE), options.check_finite, strategy_reason,
+                   engine_reason, seg_q, seg_k)

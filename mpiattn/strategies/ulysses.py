@@ -1,25 +1,29 @@
 """Ulysses attention: all-to-all from sequence-sharded to head-sharded and back.
 
 Each rank attends its ``H/P`` heads over the whole sequence with the local
-blocked kernels (Jacobs et al. 2023, DeepSpeed-Ulysses). Four all-to-alls of
-``n H E``-sized words forward; needs ``H`` and ``Hkv`` divisible by ``P``.
+engine (Jacobs et al. 2023, DeepSpeed-Ulysses). Needs ``H`` and ``Hkv``
+divisible by ``P``.
+
+Costs per rank: the ring's FLOPs; words sent forward
+``(P-1)/P B (n H (E+Ev) + m Hkv (E+Ev))`` in five all-to-alls (q, k, v in;
+out, lse back); memory: the head-sharded copies of the whole sequence,
+``B (N (H E + H Ev) + M Hkv (E+Ev)) / P`` words, and one tile.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .. import backend
-from ..kernels import engines
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
-from . import masking
-from .problem import Problem, Progress, full_mask, report
+from ..masks import QuerySide, block_mask
+from ..masks.ids import global_rows
+from .base import Cost, Strategy, blocked_memory, report
 
-__all__ = ["ulysses_forward", "ulysses_backward"]
+__all__ = ["Ulysses"]
 
 
 def _seq_to_heads(c: Comm, x: Any, n_total: int, layout: Any) -> Any:
@@ -62,46 +66,69 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
     return xp.ascontiguousarray(got.reshape(P, B, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(B, P * hp, n, F)
 
 
-def _ulysses_local(pb: Problem) -> Problem:
-    return replace(pb, H=pb.H // pb.P, Hkv=pb.Hkv // pb.P)
+def _whole_mask(c: Comm, pb: Any, mask: Any) -> Any:
+    """The mask of every query against every key, for the head-sharded arrays."""
+    s = pb.spec
+    pad = global_rows(c, mask, s.M, s.kv_layout) if s.mask.padding else None
+    return block_mask(s.mask, QuerySide.of(np.arange(s.N), pb.seg_q), np.arange(s.M), pb.seg_k, pad)
 
 
-def ulysses_forward(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any,
-                    progress: Progress) -> tuple[Any, Any]:
-    """Forward through head-sharded attention over the whole sequence."""
-    qh = _seq_to_heads(c, q, pb.N, pb.layout)
-    kh = _seq_to_heads(c, k, pb.M, pb.kv_layout)
-    vh = _seq_to_heads(c, v, pb.M, pb.kv_layout)
-    bm = masking.block_mask(pb, np.arange(pb.N), np.arange(pb.M),
-                            full_mask(c, pb, mask) if pb.masked else None)
-    lp = _ulysses_local(pb)
-    f = engines.get(pb.engine).forward(qh, lp.Hkv, pb.scale, pb.acc_dtype, pb.Ev, pb.finite)
-    f.add(kh, vh, bm, pb.tile)
-    report(progress, 1, 1)
-    o, lse = f.result()
-    o = o.astype(pb.dtype, copy=False)
-    return _heads_to_seq(c, o, pb.N, pb.layout), _heads_to_seq(c, lse[..., None], pb.N, pb.layout)[..., 0]
+class Ulysses(Strategy):
+    """Ulysses attention (see the module docstring)."""
 
+    name = "ulysses"
 
-def ulysses_backward(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                     D: Any, mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
-    """Gradients through head-sharded attention over the whole sequence."""
-    xp = backend.array_module(q)
-    qh = _seq_to_heads(c, q, pb.N, pb.layout)
-    kh = _seq_to_heads(c, k, pb.M, pb.kv_layout)
-    vh = _seq_to_heads(c, v, pb.M, pb.kv_layout)
-    doh = _seq_to_heads(c, dout, pb.N, pb.layout)
-    stats = _seq_to_heads(c, xp.stack([lse.astype(pb.acc_dtype), D], axis=-1), pb.N, pb.layout)
-    oh = _seq_to_heads(c, out, pb.N, pb.layout) if pb.engine == "torch" else None
-    bm = masking.block_mask(pb, np.arange(pb.N), np.arange(pb.M),
-                            full_mask(c, pb, mask) if pb.masked else None)
-    lp = _ulysses_local(pb)
-    bwd = engines.get(pb.engine).backward(qh, doh, oh, stats[..., 0], stats[..., 1], lp.Hkv,
-                                          pb.scale, pb.acc_dtype)
-    dk = xp.zeros(kh.shape, dtype=pb.acc_dtype)
-    dv = xp.zeros(vh.shape, dtype=pb.acc_dtype)
-    bwd.add(kh, vh, bm, dk, dv, pb.tile)
-    report(progress, 1, 1)
-    dq = bwd.result()
-    return (_heads_to_seq(c, dq, pb.N, pb.layout), _heads_to_seq(c, dk, pb.M, pb.kv_layout),
-            _heads_to_seq(c, dv, pb.M, pb.kv_layout))
+    def supports(self, spec: Any, P: int) -> str | None:
+        if spec.H % P or spec.Hkv % P:
+            return (f"strategy 'ulysses' needs the query heads H = {spec.H} and key/value heads "
+                    f"Hkv = {spec.Hkv} divisible by the number of ranks ({P}); use 'ring' or "
+                    "'allgather', or another rank count")
+        return None
+
+    def cost(self, spec: Any, P: int, block: int) -> Cost:
+        n, m = spec.N / P, spec.M / P
+        words = (P - 1) / P * spec.B * (n * spec.H * (spec.E + spec.Ev) + m * spec.Hkv * (spec.E + spec.Ev))
+        return Cost(words, 5 if P > 1 else 0)
+
+    def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
+        moved = 2 * spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
+                                              + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+        return blocked_memory(spec, P, block, backward, heads=P, whole=True, moved=moved)
+
+    def forward(self, c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
+                progress: Any) -> tuple[Any, Any]:
+        s = pb.spec
+        qh = _seq_to_heads(c, q, s.N, s.layout)
+        kh = _seq_to_heads(c, k, s.M, s.kv_layout)
+        vh = _seq_to_heads(c, v, s.M, s.kv_layout)
+        bm = _whole_mask(c, pb, mask)
+        f = pb.engine.forward(q=qh, hkv=s.Hkv // pb.P, scale=s.scale, acc_dtype=s.acc_dtype,
+                              ev=s.Ev, tile=pb.tile, finite=pb.finite, fused=s.fused)
+        f.add(kh, vh, bm)
+        report(progress, 1, 1)
+        o, lse = f.result()
+        o = o.astype(s.dtype, copy=False)
+        return (_heads_to_seq(c, o, s.N, s.layout),
+                _heads_to_seq(c, lse[..., None], s.N, s.layout)[..., 0])
+
+    def backward(self, c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                 D: Any, mask: Any, progress: Any) -> tuple[Any, Any, Any]:
+        xp = backend.array_module(q)
+        s = pb.spec
+        qh = _seq_to_heads(c, q, s.N, s.layout)
+        kh = _seq_to_heads(c, k, s.M, s.kv_layout)
+        vh = _seq_to_heads(c, v, s.M, s.kv_layout)
+        doh = _seq_to_heads(c, dout, s.N, s.layout)
+        stats = _seq_to_heads(c, xp.stack([lse.astype(s.acc_dtype), D], axis=-1), s.N, s.layout)
+        oh = _seq_to_heads(c, out, s.N, s.layout) if pb.engine.capabilities.needs_out else None
+        bm = _whole_mask(c, pb, mask)
+        bwd = pb.engine.backward(q=qh, dout=doh, out=oh, lse=stats[..., 0], D=stats[..., 1],
+                                 hkv=s.Hkv // pb.P, scale=s.scale, acc_dtype=s.acc_dtype,
+                                 tile=pb.tile)
+        dk = xp.zeros(kh.shape, dtype=s.acc_dtype)
+        dv = xp.zeros(vh.shape, dtype=s.acc_dtype)
+        bwd.add(kh, vh, bm, dk, dv)
+        report(progress, 1, 1)
+        dq = bwd.result()
+        return (_heads_to_seq(c, dq, s.N, s.layout), _heads_to_seq(c, dk, s.M, s.kv_layout),
+                _heads_to_seq(c, dv, s.M, s.kv_layout))

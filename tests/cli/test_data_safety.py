@@ -235,14 +235,20 @@ def test_zero_feature_size_is_rejected_before_reading(comm, capsys, shared_dir, 
 
 
 def test_threads_are_respected_without_contrary_advice(comm, capsys, monkeypatch):
-    monkeypatch.setattr(nodes, "_WARNED", [])  # (warned once per process: as if new)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        code, text, _ = run(comm, capsys, "info", "--threads", 100000)
-    assert code == 0
-    assert not [w for w in caught if issubclass(w.category, nodes.OversubscriptionWarning)]
-    if comm.rank == 0:
-        line = [ln for ln in text.splitlines() if ln.startswith("threads")][0]
-        count = int(line.split("BLAS")[1].split()[0])
-        assert "--threads 100000" in line
-        assert count == 100000 or f"the BLAS library runs at most {count}" in line, line
+    monkeypatch.setattr(nodes, "blas_threads", lambda: 100000)  # whatever the node: too many
+    warned = []
+    for argv in (["info", "--threads", 100000], ["info"]):
+        monkeypatch.setattr(comm, "_threads_checked", False)  # (checked once per Comm: as if new)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code, text, _ = run(comm, capsys, *argv)
+        assert code == 0
+        warned.append(bool([w for w in caught if issubclass(w.category, nodes.OversubscriptionWarning)]))
+        if comm.rank == 0 and len(argv) > 1:
+            line = [ln for ln in text.splitlines() if ln.startswith("threads")][0]
+            count = int(line.split("BLAS")[1].split()[0])
+            assert "--threads 100000" in line
+            assert count == 100000 or f"the BLAS library runs at most {count}" in line, line
+    node = comm.node
+    assert warned[0] is False  # the user asked for them: no advice against it
+    assert warned[1] is (node.local_rank == 0 and node.local_size > 1)  # (the control)

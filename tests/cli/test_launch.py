@@ -124,20 +124,23 @@ def test_configure_threads_precedence():
         t.restore()
 
 
-def test_library_warns_once_when_ranks_times_threads_exceed_cores(monkeypatch):
-    monkeypatch.setattr(nodes, "_WARNED", [])
+def test_library_warns_once_per_comm_when_ranks_times_threads_exceed_cores(monkeypatch):
+    from mpi4py import MPI
+    from mpiattn.comm.core import Comm
+
     monkeypatch.setattr(nodes, "blas_threads", lambda: 4)
     with pytest.warns(nodes.OversubscriptionWarning, match="OMP_NUM_THREADS=2"):
         nodes.warn_if_oversubscribed(nodes.NodeInfo(0, 2, 4, 4))
+    c = Comm(MPI.COMM_SELF)
+    c.node = nodes.NodeInfo(0, 2, 4, 4)
+    with pytest.warns(nodes.OversubscriptionWarning):
+        c.allgather_checked(lambda: 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        nodes.warn_if_oversubscribed(nodes.NodeInfo(0, 2, 4, 4))  # once only
-        monkeypatch.setattr(nodes, "_WARNED", [])
+        c.allgather_checked(lambda: 1)  # once per communicator
         nodes.warn_if_oversubscribed(nodes.NodeInfo(1, 2, 4, 4))  # the node's first rank speaks
-        monkeypatch.setattr(nodes, "_WARNED", [])
         nodes.warn_if_oversubscribed(nodes.NodeInfo(0, 1, 4, 4))
         monkeypatch.setattr(nodes, "blas_threads", lambda: 1)  # nothing to gain below one thread
-        monkeypatch.setattr(nodes, "_WARNED", [])
         nodes.warn_if_oversubscribed(nodes.NodeInfo(0, 8, 4, 4))
 
 

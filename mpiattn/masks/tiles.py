@@ -1,18 +1,11 @@
 """Which (query, key) pairs a block of attention may use, decided per tile.
 
-Every rule is written in *global* positions (``i`` a query row, ``j`` a key
-row), so it holds whatever the layout, and all rules combine by AND::
-
-    causal:     j <= i
-    window:     i - left <= j <= i + right      (left or right None: unbounded)
-    documents:  q_seg[b, i] == k_seg[b, j]      (per batch entry b)
-    padding:    not pad[b, j]                   (per batch entry b)
-
+The rules are those of :mod:`mpiattn.masks.spec`, in global positions.
 A :class:`BlockMask` describes one query shard against one key/value block.
 Engines ask it, tile by tile, whether a tile of queries ``i0:i1`` and keys
 ``j0:j1`` has no visible pair (skip it), only visible pairs (no mask needed
-except padding), or some (apply :meth:`BlockMask.bias` or
-:meth:`BlockMask.visible`). Causal, window and document rules are decided on
+except padding), or some (apply :meth:`BlockMask.bias`, or read
+:meth:`BlockMask.visible_pairs`). Causal, window and document rules are decided on
 the host, from positions and host copies of the document ids (no device
 work, no synchronisation); padding, which lives on the device with the
 keys, is always applied as a bias and never makes a tile "none".
@@ -38,17 +31,15 @@ How a tile is classified (cheap first, exact where it matters):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import backend
+from .spec import RULES, MaskSpec
 
-__all__ = ["BlockMask", "padding_bias", "RULES", "REFINE_LIMIT"]
-
-#: The mask rules, in the order :attr:`BlockMask.rules` lists the active ones.
-RULES = ("causal", "window", "segments", "padding")
+__all__ = ["BlockMask", "QuerySide", "block_mask", "padding_bias", "REFINE_LIMIT"]
 
 #: Tiles of at most this many (query, key) pairs per batch entry are checked
 #: exactly (on the host) when the position hulls cannot decide them.
@@ -159,16 +150,6 @@ class BlockMask:
         """True when a rule other than padding is active (so tiles may be skipped)."""
         return self.causal or self.window is not None or self.q_seg is not None
 
-    @property
-    def needs_dense(self) -> bool:
-        """True when a rule beyond causal and padding (window, documents) is active.
-
-        An engine that understands only ``is_causal`` and a key padding mask
-        must then take the dense :meth:`visible` mask for "some" tiles, or
-        decline the block.
-        """
-        return self.window is not None or self.q_seg is not None
-
     # ---------------------------------------------------------- classification
     def _side(self, name: str, a: int, b: int) -> _Side:
         cache = self._sides if name == "k" or self.q_summaries is None else self.q_summaries
@@ -278,13 +259,46 @@ class BlockMask:
             out = pos if out is None else out + pos
         return out
 
-    def visible(self, xp: Any, i0: int, i1: int, j0: int, j1: int, vis: str | None = None) -> Any:
-        """Bool ``(B or 1, 1, i1-i0, j1-j0)`` on ``xp`` (True = visible), or None when all are visible."""
-        vis = self.visibility(i0, i1, j0, j1) if vis is None else vis
-        out = None
-        if self.pad is not None:
-            out = ~self.pad[:, None, None, j0:j1]
-        if vis == "some":
-            pos = backend.to_device(self.visible_pairs(i0, i1, j0, j1), xp)[:, None]
-            out = pos if out is None else out & pos
-        return out
+
+@dataclass
+class QuerySide:
+    """This rank's queries as every key block of one call sees them.
+
+    Attributes
+    ----------
+    q_pos : (n,) int64 numpy array
+        Global positions of the queries (local order).
+    q_seg : (B, n) int64 numpy array or None
+        Their document ids.
+    summaries : dict
+        The tile summaries of the queries, filled as the blocks ask (one
+        call's cache: it lives as long as this object).
+    """
+
+    q_pos: np.ndarray
+    q_seg: np.ndarray | None = None
+    summaries: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, q_pos: np.ndarray, seg_q: np.ndarray | None) -> "QuerySide":
+        """The queries at global positions ``q_pos``, their ids taken from the global ``seg_q``."""
+        return cls(q_pos, None if seg_q is None else seg_q[:, q_pos])
+
+
+def block_mask(mask: MaskSpec, queries: QuerySide, k_pos: np.ndarray, seg_k: np.ndarray | None,
+               pad: Any) -> BlockMask:
+    """The :class:`BlockMask` of ``queries`` against the keys at global positions ``k_pos``.
+
+    Parameters
+    ----------
+    mask : MaskSpec
+    queries : QuerySide
+    k_pos : (k,) int64
+    seg_k : (B, M) int64 or None
+        The global document ids of the keys.
+    pad : (B, k) bool array or None
+        The block's key padding (on the keys' device).
+    """
+    k_seg = None if seg_k is None or queries.q_seg is None else seg_k[:, k_pos]
+    return BlockMask(queries.q_pos, k_pos, mask.causal, pad, mask.window, queries.q_seg, k_seg,
+                     queries.summaries)

@@ -1,9 +1,11 @@
-"""The one timing harness of ``mpiattn bench``: barrier-delimited, device-synchronised calls.
+"""The one timer of the package: barrier-delimited, device-synchronised phases and calls.
 
-Every suite (attention, GEMM ceilings, products, the GPU suite) times its
-calls with a :class:`Timer`::
+The command line times the phases of a run, the benchmark its calls, with a
+:class:`Timer`::
 
     timer = Timer(comm, xp)                      # xp: numpy or cupy
+    with timer.phase("forward"):                 # timer.times["forward"], in seconds
+        out, lse = attention(q, k, v, comm)
     m = timer.measure(lambda: fn(a, b), warmup=1, repeat=5)
     m.median, m.cpu_median, m.times
 
@@ -18,10 +20,11 @@ both clocks (:meth:`Timer.cpu_wall_ratio`); the module keeps no state.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -69,12 +72,42 @@ class Timer:
     xp : module
         numpy, or cupy: then every queued kernel of the current device (all
         streams) finishes before a clock is read.
+    on_phase : callable(name), optional
+        Told the name of each :meth:`phase` as it starts (the command line
+        keeps what a run is doing for a signal's message).
+
+    Attributes
+    ----------
+    times : dict
+        Phase name -> wall seconds (:meth:`phase`).
     """
 
-    def __init__(self, comm: Any, xp: Any = np):
-        self.comm, self.xp = comm, xp
+    def __init__(self, comm: Any, xp: Any = np, on_phase: Callable[[str], None] | None = None):
+        self.comm, self.xp, self.on_phase = comm, xp, on_phase
+        self.times: dict[str, float] = {}
         self.wall_total = 0.0
         self.cpu_total = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a block run by every rank: from a barrier to a barrier, the device drained.
+
+        On an error (raised alike on every rank) the closing barrier is
+        skipped everywhere and nothing is recorded.
+        """
+        if self.on_phase is not None:
+            self.on_phase(name)
+        self.sync()
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        self.comm.barrier()
+        self.times[name] = time.perf_counter() - t0
+
+    def summary(self) -> str:
+        """``read 0.1 s, forward 2.3 s, ...`` of the phases so far."""
+        return ", ".join(f"{k} {v:.3g} s" for k, v in self.times.items())
 
     def sync(self) -> None:
         """Wait for all queued work of the current device, every stream (no-op for NumPy)."""

@@ -1,0 +1,116 @@
+"""What a local attention engine is: one interface, and the capabilities it declares.
+
+An engine computes one rank's attention against one key/value block at a
+time; the strategies (:mod:`mpiattn.strategies`) bring the blocks. Two
+objects carry a call, made by keyword:
+
+``engine.forward(q=, hkv=, scale=, acc_dtype=, ev=, tile=, finite=, fused=)`` -> ``f``
+    ``f.add(k, v, mask)`` folds a block in (``mask`` a
+    :class:`~mpiattn.masks.BlockMask`); ``f.result()`` returns ``out (B, H,
+    n, Ev)`` and ``lse (B, H, n)`` in the accumulation dtype (rows that saw
+    no key: ``out = 0``, ``lse = -inf``).
+``engine.backward(q=, dout=, out=, lse=, D=, hkv=, scale=, acc_dtype=, tile=)`` -> ``b``
+    ``b.add(k, v, mask, dk, dv)`` adds the block's gradients into ``dk``,
+    ``dv`` (``(B, Hkv, k, E/Ev)``, accumulation dtype) and keeps ``dq``;
+    ``b.result()`` returns ``dq (B, H, n, E)``. The global ``lse`` and
+    ``D = rowsum(dout * out)`` make each block's gradients exact
+    (FlashAttention-2), whatever the order of the blocks.
+
+An engine declares what it can do (:class:`Capabilities`) and answers
+:meth:`Engine.supports` for a call from those declarations alone; an engine
+that needs an optional library says whether it is usable in
+:meth:`Engine.usable` (which may import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["Capabilities", "Engine", "Forward", "Backward"]
+
+
+class Forward(Protocol):
+    """A forward pass of one call (see the module docstring)."""
+
+    def add(self, k: Any, v: Any, mask: Any) -> None: ...
+
+    def result(self) -> tuple[Any, Any]: ...
+
+
+class Backward(Protocol):
+    """A backward pass of one call (see the module docstring)."""
+
+    def add(self, k: Any, v: Any, mask: Any, dk: Any, dv: Any) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine declares it computes.
+
+    Attributes
+    ----------
+    dtypes : dict of str to tuple of str
+        Device (``"numpy"``, ``"cupy"``) -> the input dtypes it takes there;
+        a device not listed is not supported.
+    rules : tuple of str
+        The mask rules it applies (:data:`mpiattn.masks.RULES`).
+    needs_out : bool
+        Its backward reads the forward's ``out`` (else ``D`` suffices).
+    head_dim_multiple : dict of str to int
+        Device -> the head dims ``E``, ``Ev`` must be multiples of (1: any).
+    """
+
+    dtypes: dict
+    rules: tuple
+    needs_out: bool = False
+    head_dim_multiple: dict | None = None
+
+
+class Engine:
+    """An engine: a name, its capabilities, and the forward and backward of a call."""
+
+    name: str = ""
+    capabilities: Capabilities
+
+    def supports(self, spec: Any) -> str | None:
+        """None when the declared capabilities cover the call ``spec``, else why not (no import).
+
+        ``spec`` is an :class:`mpiattn.strategies.spec.AttentionSpec`.
+        """
+        cap = self.capabilities
+        dtypes = cap.dtypes.get(spec.device)
+        if dtypes is None:
+            return f"the {self.name} engine does not run on {spec.device} arrays"
+        if np.dtype(spec.dtype).name not in dtypes:
+            return (f"the {self.name} engine takes {', '.join(dtypes)} on {spec.device}, "
+                    f"not {np.dtype(spec.dtype).name}")
+        extra = [r for r in spec.mask.rules if r not in cap.rules]
+        if extra:
+            return f"the {self.name} engine has no {', '.join(extra)} masks"
+        mult = (cap.head_dim_multiple or {}).get(spec.device, 1)
+        if spec.E % mult or spec.Ev % mult:
+            return f"the {self.name} engine on {spec.device} needs head dims that are multiples of {mult}"
+        return None
+
+    def usable(self, device: str) -> str | None:
+        """None when the engine can run here on ``device`` (it may import a library), else why not."""
+        return None
+
+    def block_rows(self, spec: Any, max_rows: int) -> int:
+        """Rows per exchanged key/value block when the caller gave none (``max_rows``: the longest shard)."""
+        raise NotImplementedError
+
+    def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
+                finite: bool = False, fused: bool = False) -> Forward:
+        """Start a forward pass for queries ``q (B, H, n, E)``."""
+        raise NotImplementedError
+
+    def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
+                 acc_dtype: Any, tile: int) -> Backward:
+        """Start a backward pass (``lse``, ``D``: ``(B, H, n)``, global)."""
+        raise NotImplementedError

@@ -1,0 +1,22 @@
+"""Masks: which (query, key) pairs a call may use, in one place.
+
+``spec``
+    :class:`MaskSpec`, the rules of a call (causal, window, documents,
+    padding) and their checks;
+``tiles``
+    :class:`BlockMask`, the rules decided per tile of one block (none, all
+    or some pairs visible), on the host;
+``dense``
+    the rules materialised, for references and cross-checks;
+``ids``
+    document ids and padding gathered whole, for every rank.
+"""
+
+from __future__ import annotations
+
+from .dense import visible
+from .spec import RULES, MaskSpec, check_window
+from .tiles import BlockMask, QuerySide, block_mask, padding_bias
+
+__all__ = ["RULES", "MaskSpec", "check_window", "BlockMask", "QuerySide", "block_mask",
+           "padding_bias", "visible"]

@@ -1,0 +1,106 @@
+"""What a call hides: the mask rules, checked once, as one frozen object.
+
+Every rule is written in *global* positions (``i`` a query row, ``j`` a key
+row), so it holds whatever the layout, and all rules combine by AND::
+
+    causal:     j <= i                          (top-left aligned, torch's is_causal)
+    window:     i - left <= j <= i + right      (left or right None: unbounded side)
+    documents:  seg_q[b, i] == seg_k[b, j]      (per batch entry b)
+    padding:    not pad[b, j]                   (per batch entry b)
+
+:class:`MaskSpec` says which rules a call uses (the arrays, document ids and
+padding, travel beside it); :mod:`mpiattn.masks.tiles` decides them per
+tile, :mod:`mpiattn.masks.dense` materialises them for references, and
+:mod:`mpiattn.masks.ids` gathers the document ids every rank needs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RULES", "MaskSpec", "check_window"]
+
+#: The mask rules, in the order :attr:`MaskSpec.rules` lists the active ones.
+RULES = ("causal", "window", "segments", "padding")
+
+
+def check_window(window: Any) -> tuple | None:
+    """``window`` as ``(left, right)`` (each an int >= 0 or None), or None for no window.
+
+    ``(None, None)`` is no window. Raises TypeError for anything but a pair
+    of ints/None, ValueError for a negative bound.
+    """
+    if window is None:
+        return None
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, (bool, np.bool_)):
+            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}")
+        try:
+            w = operator.index(w)
+        except TypeError:
+            raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}") from None
+        if w < 0:
+            raise ValueError(f"window {side} bound must be >= 0, got {w}")
+        out.append(int(w))
+    return None if out == [None, None] else (out[0], out[1])
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The mask rules of one call (which are on; the arrays travel beside it).
+
+    Attributes
+    ----------
+    causal : bool
+        Hide key ``j`` from query ``i`` when ``j > i``.
+    window : (left, right) or None
+        As returned by :func:`check_window`.
+    segments : bool
+        The queries carry document ids (``segment_ids``).
+    kv_segments : bool
+        The keys carry their own document ids (``kv_segment_ids``); without
+        them they take the queries' ids.
+    padding : bool
+        A key padding mask is given.
+    """
+
+    causal: bool = False
+    window: tuple | None = None
+    segments: bool = False
+    kv_segments: bool = False
+    padding: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "causal", bool(self.causal))
+        object.__setattr__(self, "window", check_window(self.window))
+        if self.kv_segments and not self.segments:
+            raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The active rules, a sub-tuple of :data:`RULES` (e.g. ``("causal", "padding")``)."""
+        on = {"causal": self.causal, "window": self.window is not None,
+              "segments": self.segments, "padding": self.padding}
+        return tuple(r for r in RULES if on[r])
+
+    @property
+    def positional(self) -> bool:
+        """True when a rule decided by positions or ids is on (tiles and blocks may be skipped)."""
+        return self.causal or self.window is not None or self.segments
+
+    def band(self) -> tuple[float, float]:
+        """The allowed range ``[lo, hi]`` of ``j - i`` under the causal and window rules."""
+        left, right = self.window if self.window is not None else (None, None)
+        lo = -np.inf if left is None else -float(left)
+        hi = np.inf if right is None else float(right)
+        return lo, (min(hi, 0.0) if self.causal else hi)

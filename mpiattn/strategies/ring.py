@@ -1,0 +1,58 @@
+"""Ring attention: key/value blocks travel round the ring while the queries stay.
+
+Rank ``r`` folds its own key/value blocks into an online softmax first, then
+those of ``r-1``, ``r-2``, ..., each received block forwarded to ``r+1`` and
+the next one in flight while the current one is computed
+(:func:`mpiattn.comm.circulate`; Liu, Zaharia, Abbeel 2023). In the
+backward, ``dK``, ``dV`` travel with their block and come home after ``P``
+hops. Causal attention skips blocks no query can see; with the zigzag layout
+every rank then does about half the non-causal work.
+
+Costs per rank: FLOPs ``4 n M H E`` forward (``10 n M H E`` backward);
+words sent ``(P-1) m W`` with ``W = B Hkv (E+Ev)`` (backward: again that
+plus the travelling ``dK, dV``), in ``P-1`` steps; extra memory
+``O(block^2 + block W)`` for the tile and the blocks in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..comm.ring import circulate, row_pieces
+from ..layouts import all_segments
+from .base import Cost, Strategy, blocked_memory
+from .blocked import key_block, kv_data, run_backward, run_forward, zeros_like_kv
+
+__all__ = ["Ring"]
+
+
+def _blocks(c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
+    s = pb.spec
+    total = sum(len(row_pieces(seg, pb.block)) for seg in all_segments(s.M, pb.P, s.kv_layout))
+    pieces = circulate(c, kv_data(pb, k, v, mask), s.M, s.kv_layout, pb.block, acc_out=grads)
+    return total, (key_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)
+
+
+class Ring(Strategy):
+    """Ring attention (see the module docstring)."""
+
+    name = "ring"
+
+    def cost(self, spec: Any, P: int, block: int) -> Cost:
+        m = spec.M / P
+        return Cost((P - 1) * m * spec.B * spec.Hkv * (spec.E + spec.Ev), max(0, P - 1))
+
+    def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
+        return blocked_memory(spec, P, block, backward)
+
+    def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
+        total, blocks = _blocks(c, pb, k, v, mask)
+        return run_forward(pb, q, blocks, total, progress)
+
+    def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                 D: Any, mask: Any, progress: Any) -> tuple:
+        dk, dv = zeros_like_kv(pb, k, v)
+        total, blocks = _blocks(c, pb, k, v, mask, grads=[dk, dv])
+        return run_backward(pb, dout, q, out, lse, D, blocks, total, progress), dk, dv

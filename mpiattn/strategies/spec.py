@@ -1,0 +1,195 @@
+"""A call, as one object: what the user chose (:class:`Options`) and the whole call (:class:`AttentionSpec`).
+
+:class:`Options` bundles the keywords that configure an attention call, the
+same for :func:`mpiattn.attention`, :func:`mpiattn.attention_backward`,
+:class:`mpiattn.MultiheadAttention`, the command line and the benchmark, so
+a configuration is written once and passed on whole (``options=``).
+
+:class:`AttentionSpec` is a validated call: global shapes, dtype, device,
+scale, the mask rules (:class:`mpiattn.masks.MaskSpec`), the layouts and the
+options. It is built from this rank's arrays, then agreed by every rank
+field by field (:mod:`mpiattn.strategies.problem`); the strategies, the cost
+model, the command line and the benchmark all read it, and it can also be
+made from global shapes alone (:meth:`AttentionSpec.from_shapes`), with no
+arrays and no communication, to plan or estimate a run.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..layouts import check_layout, layout_key
+from ..masks import MaskSpec, check_window
+
+__all__ = ["Options", "AttentionSpec"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """The keywords that configure an attention call (checked when made, locally).
+
+    Attributes
+    ----------
+    causal : bool
+        Key ``j`` is visible to query ``i`` iff ``j <= i`` (global indices,
+        top-left aligned as torch's ``is_causal``).
+    scale : float, optional
+        Softmax scale, default ``1/sqrt(E)``.
+    window : (left, right), optional
+        Sliding window: key ``j`` is visible to query ``i`` only if
+        ``i - left <= j <= i + right``; each bound an int >= 0 or None.
+    layout : {"contiguous", "zigzag"} or Layout
+        Row layout of the queries (and of the keys, unless ``kv_layout``).
+    kv_layout : str or Layout, optional
+        Row layout of the keys and values (default: ``layout``).
+    strategy : str
+        ``"auto"`` or a registered strategy (:mod:`mpiattn.strategies.registry`).
+    engine : str
+        ``"auto"`` or a registered engine (:mod:`mpiattn.kernels.engines`).
+    block_size : int, optional
+        Rows per exchanged key/value block and edge of the native engine's
+        score tile; default the engine's preference.
+    check_finite : bool
+        Raise ValueError when an input holds NaN or Inf.
+    """
+
+    causal: bool = False
+    scale: float | None = None
+    window: tuple | None = None
+    layout: Any = "contiguous"
+    kv_layout: Any = None
+    strategy: str = "auto"
+    engine: str = "auto"
+    block_size: int | None = None
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be True or False, got {self.causal!r}")
+        object.__setattr__(self, "causal", bool(self.causal))
+        scale = self.scale
+        if scale is not None:
+            if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) \
+                    or not math.isfinite(scale):
+                raise ValueError(f"scale must be a finite number, got {scale!r}")
+            object.__setattr__(self, "scale", float(scale))
+        object.__setattr__(self, "window", check_window(self.window))
+        check_layout(self.layout)
+        if self.kv_layout is not None:
+            check_layout(self.kv_layout)
+        for name in ("strategy", "engine"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a name (str), got {getattr(self, name)!r}")
+        block = self.block_size
+        if block is not None and (isinstance(block, (bool, np.bool_))
+                                  or not isinstance(block, (int, np.integer)) or block < 1):
+            raise ValueError(f"block_size must be a positive integer or None, got {block!r}")
+        if block is not None:
+            object.__setattr__(self, "block_size", int(block))
+        object.__setattr__(self, "check_finite", bool(self.check_finite))
+
+    @classmethod
+    def of(cls, options: "Options | None" = None, **keywords: Any) -> "Options":
+        """``options`` (default: the defaults) with ``keywords`` replacing its fields.
+
+        Raises
+        ------
+        TypeError
+            A keyword that is not a field, or ``options`` that is not Options.
+        """
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"options must be mpiattn.Options, got {type(base).__name__}")
+        unknown = sorted(set(keywords) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; the options "
+                            f"are {', '.join(f.name for f in fields(cls))}")
+        return replace(base, **keywords) if keywords else base
+
+    def key(self) -> tuple:
+        """A comparable, picklable summary (explicit layouts by digest)."""
+        return tuple(layout_key(v) if f.name in ("layout", "kv_layout") and v is not None else v
+                     for f, v in ((f, getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A validated attention call, the same on every rank.
+
+    Attributes
+    ----------
+    B, H, Hkv, E, Ev : int
+        Batch, query heads, key/value heads, query/key and value head dims.
+    N, M : int
+        Global query and key/value lengths.
+    dtype : numpy.dtype
+        The inputs' dtype (also of ``out`` and the gradients).
+    device : {"numpy", "cupy"}
+    scale : float
+        The softmax scale (``1/sqrt(E)`` unless given).
+    mask : MaskSpec
+        The mask rules.
+    layout, kv_layout : str or Layout
+        The rows of the queries and of the keys/values.
+    options : Options
+        What the user chose (strategy, engine, block size, check_finite).
+    fused : bool
+        Fused CuPy kernels asked for (``MPIATTN_FUSED_KERNELS=1``, read once per call).
+    """
+
+    B: int
+    H: int
+    Hkv: int
+    E: int
+    Ev: int
+    N: int
+    M: int
+    dtype: np.dtype
+    device: str
+    scale: float
+    mask: MaskSpec
+    layout: Any
+    kv_layout: Any
+    options: Options
+    fused: bool = False
+
+    @property
+    def G(self) -> int:
+        """Query heads per key/value head."""
+        return self.H // self.Hkv
+
+    @property
+    def acc_dtype(self) -> np.dtype:
+        """The accumulation dtype (:func:`mpiattn.backend.accum_dtype`)."""
+        return backend.accum_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @classmethod
+    def from_shapes(cls, q: tuple, k: tuple, v: tuple, dtype: Any, options: Options | None = None,
+                    *, device: str = "numpy", padding: bool = False, segments: bool = False,
+                    kv_segments: bool = False, fused: bool = False) -> "AttentionSpec":
+        """The spec of a call on global shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``,
+        ``v (B, Hkv, M, Ev)`` (no arrays, no communication: to plan or estimate a run).
+
+        The shapes are trusted (checked where arrays are read).
+        """
+        o = Options() if options is None else options
+        B, H, N, E = (int(x) for x in q)
+        Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
+        mask = MaskSpec(o.causal, o.window, segments, kv_segments, padding)
+        return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device,
+                   1.0 / math.sqrt(E) if o.scale is None else o.scale, mask, o.layout,
+                   o.layout if o.kv_layout is None else o.kv_layout, o, fused)
+
+    def with_options(self, **keywords: Any) -> "AttentionSpec":
+        """The same call with some options changed (e.g. ``strategy=``)."""
+        return replace(self, options=Options.of(self.options, **keywords))
