@@ -25,13 +25,14 @@ off the legacy default stream.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 import socket
 import warnings
 from typing import Any
 
 import numpy as np
 
-from .comm.core import get_comm
+from .comm.core import find_comm, get_comm
 from .comm.device import (TRANSPORTS, configure, decide_transport, describe_transport,
                           gather_evidence, judge_evidence)
 from .comm.transports import PinnedPool
@@ -48,9 +49,9 @@ __all__ = [
     "configure",
     "compute_stream",
     "upload",
+    "BoundDevice",
 ]
 
-_WARNED: set[str] = set()  # warnings already given by this process
 
 
 class NoGPUError(RuntimeError):
@@ -153,8 +154,8 @@ def bind_device(comm: Any = None, configure_transport: bool = True, transport: s
     finally:
         node.Free()
     shared = len(set(on_node)) < len(on_node)
-    if shared and local_rank == 0 and "shared-gpu" not in _WARNED:
-        _WARNED.add("shared-gpu")
+    c.gpu_device = BoundDevice(dev)
+    if shared and local_rank == 0:  # (Python's warning filters show it once per place)
         warnings.warn(
             f"mpiattn: {local_size} ranks on {socket.gethostname()} share {len(set(on_node))} of its "
             f"{ndev} GPU(s) (devices by local rank: {on_node}); they will compete for memory and compute. "
@@ -164,30 +165,61 @@ def bind_device(comm: Any = None, configure_transport: bool = True, transport: s
     return dev
 
 
-def compute_stream() -> Any:
-    """A non-blocking CUDA stream of the current device, created once per device.
+@dataclass
+class BoundDevice:
+    """The GPU :func:`bind_device` made current for a communicator, and what it keeps for it.
+
+    Attributes
+    ----------
+    id : int
+        The CUDA device id.
+    stream : cupy.cuda.Stream or None
+        Its compute stream (:func:`compute_stream`), made on first use.
+    uploader : Uploader or None
+        Its pinned host-to-device copier (:func:`upload`), made on first use.
+    """
+
+    id: int
+    stream: Any = None
+    uploader: Any = None
+
+
+def _bound(comm: Any) -> BoundDevice:
+    """The device :func:`bind_device` bound for ``comm`` (local: never communicates)."""
+    c = find_comm(comm)
+    dev = None if c is None else c.gpu_device
+    if dev is None:
+        raise RuntimeError("no GPU is bound for this communicator: call "
+                           "mpiattn.gpu.bind_device(comm) on every rank first")
+    return dev
+
+
+def compute_stream(comm: Any = None) -> Any:
+    """The non-blocking compute stream of the GPU bound for ``comm`` (made on first use; local).
 
     Use it as ``with gpu.compute_stream(): ...`` so that compute does not
     run on the legacy default stream (which would serialise with copies).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm or Comm, optional
+        The communicator passed to :func:`bind_device` (default ``MPI.COMM_WORLD``).
 
     Returns
     -------
     cupy.cuda.Stream
     """
-    import cupy
+    dev = _bound(comm)
+    if dev.stream is None:
+        import cupy
 
-    dev = cupy.cuda.Device().id
-    s = _STREAMS.get(dev)
-    if s is None:
-        s = _STREAMS[dev] = cupy.cuda.Stream(non_blocking=True)
-    return s
-
-
-_STREAMS: dict[int, Any] = {}
+        with cupy.cuda.Device(dev.id):
+            dev.stream = cupy.cuda.Stream(non_blocking=True)
+    return dev.stream
 
 
-def upload(host: Any) -> Any:
-    """Copy a host array to the current device through a pinned staging buffer.
+def upload(host: Any, comm: Any = None) -> Any:
+    """Copy a host array to the GPU bound for ``comm`` through a pinned staging buffer (local).
 
     The copy runs on a copy stream; the current stream is ordered after it
     (no host wait), so the caller may use the result at once.
@@ -196,22 +228,20 @@ def upload(host: Any) -> Any:
     ----------
     host : numpy.ndarray
         Any shape and dtype (e.g. an HDF5 slab just read).
+    comm : mpi4py.MPI.Intracomm or Comm, optional
+        The communicator passed to :func:`bind_device` (default ``MPI.COMM_WORLD``).
 
     Returns
     -------
     cupy.ndarray
         Same shape and dtype, C-contiguous, on the current device.
     """
-    import cupy
+    dev = _bound(comm)
+    if dev.uploader is None:
+        import cupy
 
-    dev = cupy.cuda.Device().id
-    up = _UPLOADERS.get(dev)
-    if up is None:
-        up = _UPLOADERS[dev] = Uploader(cupy)
-    return up.upload(host)
-
-
-_UPLOADERS: dict[int, Any] = {}
+        dev.uploader = Uploader(cupy)
+    return dev.uploader.upload(host)
 
 
 class Uploader:

@@ -170,6 +170,13 @@ def describe(layout: Any) -> str:
     return str(layout)
 
 
+def describe_key(key: Any) -> str:
+    """A :func:`layout_key` for messages: ``'zigzag'``, or an explicit Layout by rows and digest."""
+    if isinstance(key, tuple):
+        return f"an explicit Layout of {key[1]} rows, digest {key[3][:12]}"
+    return repr(key)
+
+
 def check_block_size(block_size: Any, op: str) -> int | None:
     """``block_size`` (rows per block) as an int >= 1, or None; ``op`` names the caller in errors.
 

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 
 from . import backend
+from .comm import errors
 from .comm.core import get_comm
 from .comm.device import prepare
-from .layouts import (Segments, all_segments, check_layout, check_shares, layout_key, positions,
-                      segments, to_global_order)
+from .layouts import (Segments, all_segments, check_layout, check_shares, describe_key, layout_key,
+                      positions, segments, to_global_order)
 
 __all__ = ["partition", "shard", "gather", "relayout_rows"]
 
@@ -86,19 +87,8 @@ def shard(x: Any, comm: Any = None, axis: int = -2, layout: Any = "contiguous") 
         return ax, segments(x.shape[ax], c.rank, c.size, layout), layout_key(layout)
 
     got = c.allgather_checked(local)
-    _same_layout([g[2] for g in got], "shard")
+    errors.same_everywhere([g[2] for g in got], "shard's layout", describe_key)
     return _take_rows(x, got[c.rank][1], got[c.rank][0])
-
-
-def _same_layout(keys: list, op: str) -> None:
-    for r, key in enumerate(keys):
-        if key != keys[0]:
-            raise ValueError(f"{op}: the layout differs between ranks (rank {r} passes "
-                             f"{_shown(key)}, rank 0 {_shown(keys[0])})")
-
-
-def _shown(key: Any) -> str:
-    return f"an explicit Layout of {key[1]} rows, digest {key[3][:12]}" if isinstance(key, tuple) else repr(key)
 
 
 def _norm_axis(axis: int, ndim: int) -> int:
@@ -154,19 +144,14 @@ def gather(x: Any, comm: Any = None, axis: int = -2, layout: Any = "contiguous",
 
 
 def _check_gather_meta(meta: list, layout: Any) -> None:
-    shape0, dtype0, axis0, layout0, root0, xp0 = meta[0]
-    _same_layout([m[3] for m in meta], "gather")
-    for r, (shape, dtype, axis, _, root, xp) in enumerate(meta):
-        if xp != xp0:
-            raise ValueError(f"gather: rank {r} passes a {xp} array, rank 0 a {xp0} array")
-        if (axis, root) != (axis0, root0) or len(shape) != len(shape0):
-            raise ValueError(f"gather called with different axis/layout/root/ndim on rank {r} than on rank 0")
-        if dtype != dtype0:
-            raise ValueError(f"gather: rank {r} has dtype {dtype}, rank 0 has {dtype0}")
-        other = shape[:axis] + shape[axis + 1:]
-        if other != shape0[:axis0] + shape0[axis0 + 1:]:
-            raise ValueError(f"gather: rank {r} has shape {shape}, incompatible with rank 0's {shape0}")
-    check_shares([m[0][axis0] for m in meta], layout, "gather")
+    """Every rank's ``(shape, dtype, axis, layout key, root, backend)`` must agree (but the rows)."""
+    with errors.alike():
+        errors.same_everywhere([m[3] for m in meta], "gather's layout", describe_key)
+        for i, what in ((5, "gather's backend"), (1, "gather's dtype"), (2, "gather's axis"),
+                        (4, "gather's root"), (0, "gather's shape apart from the axis")):
+            errors.same_everywhere([m[i][:m[2]] + m[i][m[2] + 1:] if i == 0 else m[i] for m in meta],
+                                   what)
+        check_shares([m[0][meta[0][2]] for m in meta], layout, "gather")
 
 
 def relayout_rows(c: Any, x: Any, n: int, src: Any, dst: Any) -> Any:

@@ -180,6 +180,14 @@ class Device:
             raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
         _state.device = self.id
 
+    def __enter__(self) -> "Device":  # as CuPy's: current for the block, then the previous one
+        self._previous = _state.device
+        self.use()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.device = self._previous
+
     @property
     def pci_bus_id(self) -> str:
         return _state.bus_id

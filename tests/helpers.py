@@ -107,19 +107,11 @@ def bad_input(kind, path):
 def install_fake_cupy(monkeypatch, **kw):
     """Put a fresh fake CuPy (``fake_cupy.install(monkeypatch, **kw)``) in ``sys.modules``.
 
-    Also empties, for the test, the caches that would otherwise keep the fake's streams
-    (``mpiattn.gpu``'s streams and uploaders) and the warnings and transport notices
-    already given.
-    Call ``fake_cupy.shutdown()`` afterwards.
+    (mpiattn keeps no process-wide GPU state: a Comm keeps its bound device,
+    streams and transport.) Call ``fake_cupy.shutdown()`` afterwards.
     """
     import fake_cupy
-    from mpiattn import gpu
-    from mpiattn.comm import device
 
-    monkeypatch.setattr(gpu, "_STREAMS", {})
-    monkeypatch.setattr(gpu, "_UPLOADERS", {})
-    monkeypatch.setattr(gpu, "_WARNED", set())
-    monkeypatch.setattr(device, "_SAID", set())
     return fake_cupy.install(monkeypatch, **kw)
 
 
@@ -171,3 +163,27 @@ def dense_attention(Q, K, V, vis, scale=None, dO=None):
     dS = Pm * (dP - (dP * Pm).sum(-1, keepdims=True))
     fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
     return out, lse, s * dS @ Kr, fold(s * dS.swapaxes(-1, -2) @ Q), fold(Pm.swapaxes(-1, -2) @ dO)
+
+
+class Reference(tuple):
+    """``(out, lse, dq, dk, dv)`` with names (gradients None without ``dout``)."""
+
+    out = property(lambda self: self[0])
+    lse = property(lambda self: self[1])
+    dq = property(lambda self: self[2])
+    dk = property(lambda self: self[3])
+    dv = property(lambda self: self[4])
+
+
+def reference(q, k, v, dout=None, *, causal=False, window=None, scale=None,
+              key_padding_mask=None, segment_ids=None, kv_segment_ids=None):
+    """The tests' own float64 attention of global arrays, every rule written out here."""
+    q = np.asarray(q)
+    B, N, M = q.shape[0], q.shape[2], np.asarray(k).shape[2]
+    seg_k = segment_ids if kv_segment_ids is None else kv_segment_ids
+    vis = visible_matrix(B, N, M, causal, window,
+                         None if segment_ids is None else np.asarray(segment_ids),
+                         None if segment_ids is None else np.asarray(seg_k),
+                         None if key_padding_mask is None else np.asarray(key_padding_mask))
+    res = dense_attention(q, k, v, vis[:, None], scale, dout)
+    return Reference(tuple(res) + (None,) * (5 - len(res)))

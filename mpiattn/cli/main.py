@@ -38,6 +38,7 @@ from ..comm.node import OversubscriptionWarning
 from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
+from .quiet import QuietReleases
 from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
@@ -63,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if program else list(argv), con)
     if isinstance(args, int):
         return args
-    code = _main(args, con)
-    if guard is not None:
-        guard.hold()  # a signal is ending the process: its thread speaks and ends it
-    if program and args.command not in PLUGINS:  # (a plugin's ranks may return different codes)
-        _leave(code, guard)
+    with QuietReleases():  # h5py's reports about a broken file would bury the one error line
+        code = _main(args, con)
+        if guard is not None:
+            guard.hold()  # a signal is ending the process: its thread speaks and ends it
+        if program and args.command not in PLUGINS:  # (a plugin's ranks may return different codes)
+            _leave(code, guard)
     if guard is not None:
         guard.ignore()
     return code

@@ -22,11 +22,10 @@ ends the process whatever the main thread is doing:
    leaving an existing output as it was;
 2. rank 0 prints one message and aborts the job (``MPI_Abort`` with exit
    code ``128 + signal number``; Hydra's ``mpiexec`` and ``srun`` pass it
-   on); another rank first waits :data:`mpiattn.comm.errors.DEFER_S`
-   seconds, since when every rank got the signal rank 0's abort ends it
-   silently, and only a rank signalled alone speaks and aborts (under Open
-   MPI rank 0 too waits, :data:`CASCADE_S`); the main thread prints nothing
-   more;
+   on); another rank first waits :data:`DEFER_S` seconds, since when
+   every rank got the signal rank 0's abort ends it silently, and only a
+   rank signalled alone speaks and aborts (under Open MPI rank 0 too waits,
+   :data:`CASCADE_S`); the main thread prints nothing more;
 3. no Python or C exit handler runs (:func:`mpiattn.comm.errors.abort_job`):
    no HDF5 collective after an abort.
 
@@ -66,6 +65,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: rank 0 would report that SIGTERM as if it were the user's signal; waiting,
 #: it is killed silently, and a signal meant for it alone is reported late.
 CASCADE_S = 1.0
+
+#: Seconds a rank other than 0 waits before it speaks and aborts the job. When
+#: the signal reached every rank (a launcher forwarding it, SLURM), rank 0's
+#: abort ends the job meanwhile and its message is the only one; on a loaded
+#: machine MPICH 4's abort has been seen to take more than 3 s to arrive.
+DEFER_S = 10.0
 
 #: Seconds a run whose output was published before a signal has to finish
 #: normally before the signal ends it anyway.
@@ -175,7 +180,7 @@ class Guard:
     def _defer(self) -> None:
         """Wait before speaking: rank 0 speaks first, and Open MPI's cascade goes silently."""
         if self.rank != 0 and self.size > 1:
-            time.sleep(errors.DEFER_S)  # rank 0, when signalled too, ends the job meanwhile
+            time.sleep(DEFER_S)  # rank 0, when signalled too, ends the job meanwhile
         elif self.size > 1 and _open_mpi_launch():
             time.sleep(CASCADE_S)  # a SIGTERM sent by prterun to end an aborting job: SIGKILL follows
 

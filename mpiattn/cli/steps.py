@@ -123,7 +123,7 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     if st.xp is np:
         move = np.asarray
     else:
-        move = gpu.upload  # host slab -> device through a pinned buffer
+        move = lambda a: gpu.upload(a, c)  # noqa: E731 - host slab -> device, pinned
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(key_padding_mask=mask, segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids,

@@ -39,7 +39,7 @@ import numpy as np
 from .. import backend
 from . import errors, node
 
-__all__ = ["Comm", "Request", "get_comm"]
+__all__ = ["Comm", "Request", "get_comm", "find_comm"]
 
 
 #: The MPI attribute key under which a user's communicator keeps its :class:`Comm`
@@ -49,7 +49,8 @@ _KEYVAL: list = []
 
 def _release(user_comm: Any, keyval: int, wrapped: "Comm") -> None:
     """MPI's delete callback: the user freed their communicator, so free ours too."""
-    wrapped.free()
+    if isinstance(wrapped, Comm):
+        wrapped.free()
 
 
 def _keyval() -> int:
@@ -58,6 +59,18 @@ def _keyval() -> int:
 
         _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_release))
     return _KEYVAL[0]
+
+
+def find_comm(comm: Any = None) -> "Comm | None":
+    """The :class:`Comm` :func:`get_comm` made for ``comm``, or None (local: never creates one)."""
+    if isinstance(comm, Comm):
+        return comm
+    from mpi4py import MPI
+
+    base = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(base, MPI.Intracomm) or base == MPI.COMM_NULL or not _KEYVAL:
+        return None
+    return base.Get_attr(_KEYVAL[0])
 
 
 def get_comm(comm: Any = None) -> "Comm":
@@ -129,6 +142,8 @@ class Comm:
         self._abort_hooks: list[Callable[[], Any]] = []
         #: Whether the BLAS threads of this Comm's node were checked (:meth:`allgather_checked`).
         self._threads_checked = False
+        #: The GPU bound for this Comm's ranks (:func:`mpiattn.gpu.bind_device`), or None.
+        self.gpu_device: Any = None
 
     def free(self) -> None:
         """Release the device transport and the duplicated communicator (local; idempotent)."""

@@ -39,7 +39,7 @@ from typing import Any
 
 from .core import Comm, get_comm
 from .. import backend
-from . import transports
+from . import errors, transports
 
 __all__ = ["TRANSPORTS", "gather_evidence", "judge_evidence", "decide_transport",
            "describe_transport", "configure", "prepare"]
@@ -48,20 +48,11 @@ __all__ = ["TRANSPORTS", "gather_evidence", "judge_evidence", "decide_transport"
 TRANSPORTS = ("auto", "cuda-aware", "staged", "nccl")
 
 _log = logging.getLogger("mpiattn.gpu")
-_SAID: set[str] = set()  # notices and warnings already given by this process
-
-
-def _once(key: str) -> bool:
-    """True the first time ``key`` is seen in this process."""
-    if key in _SAID:
-        return False
-    _SAID.add(key)
-    return True
 
 
 def _notice(c: Any, msg: str) -> None:
-    """A one-line notice from rank 0 (logging, not print), once per process."""
-    if c.rank == 0 and _once("notice:" + msg):
+    """A one-line notice from rank 0 (logging, not print); a Comm decides its transport once."""
+    if c.rank == 0:
         _log.warning("mpiattn: %s", msg)
 
 
@@ -248,8 +239,7 @@ def decide_transport(comm: Any = None, notify: bool = True, requested: str | Non
     """
     c = get_comm(comm)
     wants = c.allgather_checked(lambda: _requested(requested))
-    if len(set(wants)) > 1:
-        raise ValueError(f"the requested GPU transport differs between ranks: {wants}")
+    errors.same_everywhere(wants, "the requested GPU transport")
     want = wants[0]
     if want == "staged":
         return "staged", "requested (staged)"
@@ -264,7 +254,7 @@ def decide_transport(comm: Any = None, notify: bool = True, requested: str | Non
     votes = c.allgather_obj(judge_evidence(gather_evidence(c)))
     if want == "cuda-aware":
         doubt = [(r, why) for r, (v, why) in enumerate(votes) if v < 0]
-        if doubt and c.rank == 0 and _once("forced-cuda-aware"):
+        if doubt and c.rank == 0:
             warnings.warn(f"mpiattn: MPIATTN_GPU_TRANSPORT=cuda-aware although rank {doubt[0][0]} reports "
                           f"{doubt[0][1]}; MPI may crash on device pointers", RuntimeWarning, stacklevel=2)
         return "cuda-aware", "requested (cuda-aware)"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend
+from ..comm import errors
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
 from .atomic import on_rank0
@@ -414,9 +415,7 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
         return layout_key(layout), layout_key(kv_layout)
 
     keys = c.allgather_checked(local)
-    with c.collective_errors():  # the same gathered keys everywhere: the same verdict
-        if any(k != keys[0] for k in keys):
-            raise ValueError("read_input: the layouts differ between ranks")
+    errors.same_everywhere(keys, "read_input's layouts (of the queries, of the keys)")
     meta = read_meta(path, c) if meta is None else meta
     shapes = meta["shapes"]
     compute = np.dtype(dtype) if dtype is not None else np.result_type(
@@ -447,7 +446,7 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
             return seen + [identity(f)]
 
     seen = c.allgather_checked(read)
-    with c.collective_errors():  # the same gathered identities everywhere: the same verdict
+    with errors.alike():  # the same gathered identities everywhere: the same verdict
         _same_input(path, meta["info"]["identity"], seen)
     return Inputs(path=path, q=arrays["q"], k=arrays["k"], v=arrays["v"], dout=arrays.get("dout"),
                   key_padding_mask=arrays.get("key_padding_mask"), n=n, m=m,

@@ -9,19 +9,23 @@
 
 The file is published by :func:`mpiattn.io.atomic.write_atomically`.
 Datasets are chunked along the sequence axis (chunks of about 1 MiB).
+
+After a failed write (a full disk) h5py may report, through
+``sys.unraisablehook``, each object of the broken file it cannot release;
+the library leaves those reports alone (it replaces no process-wide hook),
+and the command line hushes them for its run (:mod:`mpiattn.cli.quiet`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..layouts import all_segments, check_layout, describe, local_length
 from .atomic import NoSpaceError, write_atomically
@@ -34,58 +38,6 @@ __all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
 CHUNK_BYTES = 1 << 20
 
 _TOKEN_TAG = 7301
-
-#: HDF5 errors of failed serial writes, kept with their tracebacks for the life of the process.
-_BROKEN: list = []
-
-
-def _from_broken_file(exc: BaseException | None, where: str) -> bool:
-    """An h5py report that an object of a file whose write failed cannot be released."""
-    return "ObjectID" in where and isinstance(exc, RuntimeError) and "write failed" in str(exc)
-
-
-def _hush_unraisable(unraisable: Any) -> None:
-    where = getattr(unraisable.object, "__qualname__", "") or repr(unraisable.object)
-    if not _from_broken_file(unraisable.exc_value, where):
-        _HOOKS["unraisable"](unraisable)
-
-
-def _hush_excepthook(kind: type, value: BaseException, tb: Any) -> None:
-    where = ""
-    while tb is not None:
-        where, tb = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_frame.f_code.co_name}", tb.tb_next
-    if not _from_broken_file(value, "ObjectID" if "_objects.pyx" in where else where):
-        _HOOKS["except"](kind, value, tb)
-
-
-_HOOKS: dict[str, Any] = {}
-
-
-@contextlib.contextmanager
-def _quiet_failures() -> Iterator[None]:
-    """Hush h5py's release reports during a serial write; after a failure, for good.
-
-    After a failed HDF5 write (a full disk) the file's objects cannot be
-    released: each release retries the write, fails, and h5py prints the
-    error with a traceback (through ``sys.excepthook`` and
-    ``sys.unraisablehook``), one per object. These reports are dropped;
-    everything else reaches the previous hooks. The failure itself is
-    raised normally, and kept (:data:`_BROKEN`) with its traceback, so the
-    objects it holds are never released.
-    """
-    installed = sys.unraisablehook is not _hush_unraisable
-    if installed:
-        _HOOKS.update({"unraisable": sys.unraisablehook, "except": sys.excepthook})
-        sys.unraisablehook, sys.excepthook = _hush_unraisable, _hush_excepthook
-    try:
-        yield
-    except OSError as exc:
-        _BROKEN.append(exc)
-        raise
-    else:
-        if installed and not _BROKEN:
-            sys.unraisablehook, sys.excepthook = _HOOKS["unraisable"], _HOOKS["except"]
-
 
 @dataclass
 class Rows:
@@ -206,7 +158,7 @@ def _write_serial(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
     has_rows = c.rank == 0 or any(rows.data.size for rows in datasets.values())
     if upstream_ok and has_rows:  # if not upstream_ok, an earlier rank failed and reports it
         try:
-            with _quiet_failures(), h5py.File(tmp, "w-" if c.rank == 0 else "r+") as f:
+            with h5py.File(tmp, "w-" if c.rank == 0 else "r+") as f:
                 if c.rank == 0:
                     _create(f, meta, attrs)
                 _write_slabs(f, datasets, segs_of, collective=False)
@@ -307,10 +259,7 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
     path = os.path.abspath(path)
     metas = c.allgather_checked(lambda: (check_layout(layout),
                                          _local_meta(datasets, c.size, c.rank, layout))[1])
-    with c.collective_errors():
-        for r, other in enumerate(metas):
-            if other != metas[0]:
-                raise ValueError(f"write_rows: rank {r} passed datasets {other}, rank 0 {metas[0]}")
+    errors.same_everywhere(metas, "write_rows' datasets (global shape, dtype, axis)")
     attrs = c.bcast_obj(dict(attrs or {})) if c.size > 1 else dict(attrs or {})
 
     def segs_of(rows: Rows) -> list:

@@ -416,10 +416,27 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
             if bias is not None:
                 P += bias
             xp.exp(P, out=P)
-            do_t = doa[..., r0:r1, :Ev]
-            dv_c += xp.matmul(P.swapaxes(-1, -2), do_t, out=ws.get("dv", lead + (kk, Ev), dt))
+            dv_c += _rows_product(xp, ws, "dv", P, doa[..., r0:r1, :Ev], group)
             dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
             dS *= P
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
-            dk_c += xp.matmul(dS.swapaxes(-1, -2), qa[..., r0:r1, :E],
-                              out=ws.get("dk", lead + (kk, E), dt))
+            dk_c += _rows_product(xp, ws, "dk", dS, qa[..., r0:r1, :E], group)
+
+
+def _rows_product(xp: Any, ws: Workspace, name: str, A: Any, F: Any, group: int) -> Any:
+    """``A^T F`` summed over folded rows: ``(B, Hkv, r*G, k)``, ``(B, Hkv, r*G, f)`` -> ``(B, Hkv, k, f)``.
+
+    With a head group (``G > 1``) each query head's product is formed on its
+    own and the ``G`` of them are summed after, as autograd through
+    ``repeat_interleave`` does: one GEMM over all ``r*G`` folded rows sums
+    them in another order, a few rounding steps less accurate for long
+    groups (the contract suite's rule, float64 MQA).
+    """
+    lead, k, f = A.shape[:2], A.shape[-1], F.shape[-1]
+    if group == 1:
+        return xp.matmul(A.swapaxes(-1, -2), F, out=ws.get(name, lead + (k, f), A.dtype))
+    r = A.shape[-2] // group
+    per_head = xp.matmul(A.reshape(lead + (r, group, k)).transpose(0, 1, 3, 4, 2),
+                         F.reshape(lead + (r, group, f)).transpose(0, 1, 3, 2, 4),
+                         out=ws.get(name + "-heads", lead + (group, k, f), A.dtype))
+    return per_head.sum(axis=2, out=ws.get(name, lead + (k, f), A.dtype))

@@ -111,7 +111,7 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
     vv = v if G == 1 else xp.repeat(v, G, axis=1)
     rules = mask if mask is not None else MaskSpec()
     seg_q = None if segment_ids is None else backend.to_host(segment_ids)
-    seg_k = None if kv_segment_ids is None else backend.to_host(kv_segment_ids)
+    seg_k = seg_q if kv_segment_ids is None else backend.to_host(kv_segment_ids)
     pad = None if key_padding_mask is None else backend.to_host(key_padding_mask)
     grads = dout is not None
     do = dout.astype(dtype, copy=False) if grads else None

@@ -14,7 +14,8 @@ Findings, torch 2.13.0+cpu (see :data:`TESTED_TORCH` for the versions tested)
   -> ``(output, logsumexp)`` and ``..._for_cpu_backward`` -> ``(dq, dk, dv)``.
 * dtypes: float32, float64, float16, bfloat16 (NumPy and CuPy have no bfloat16, so it is
   not reachable here). Half inputs: the kernel accumulates in float32 within a 512-key
-  split, but keeps dq/dk/dv in the half dtype between splits (aten source).
+  split, but keeps dq/dk/dv in the half dtype between splits (aten source); so the
+  backward here runs in float32 for float16 inputs (copies of the block's operands).
   lse is float32 (float64 for float64 input), natural log, one value per row,
   shape (B, H, n) as a transposed view of a (B, n, H) buffer. out is (B, H, n, E) as a view
   of a (B, n, H, E) buffer; the gradients likewise.
@@ -229,20 +230,33 @@ def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, sca
 
     Returns
     -------
-    dq : (B, H, n, E); dk : (B, Hkv, m, E); dv : (B, Hkv, m, Ev), in q's dtype (strided
-        views). dk/dv are summed over the query heads of each kv head.
+    dq : (B, H, n, E); dk : (B, Hkv, m, E); dv : (B, Hkv, m, Ev), strided views: in q's
+        dtype, float32 for float16 input. With GQA/MQA the kernel runs one key/value head
+        per query head and dk/dv are summed over each head group here, in float64 (the
+        kernel's own group sums, in float32, miss the accuracy rule of the contract suite).
     """
     if _is_cupy(q):
         return _cuda_backward(dout, q, k, v, out, lse, scale, mask, causal_aligned)
     (B, H, n, E, Ev), bm, empty, tm, d = _setup(q, k, v, mask, causal_aligned)
+    Hkv, m = k.shape[1], k.shape[2]
     if empty:
         return tuple(np.zeros(x.shape, q.dtype) for x in (q, k, v))
+    work = np.float32 if q.dtype == np.float16 else q.dtype  # half gradients: see the module notes
     lse = np.where(np.isneginf(lse), np.inf, lse).astype(_lse_dtype(q))  # +inf: P = 0
-    dout, out = (_pad(x.astype(q.dtype, copy=False), d) for x in (dout, out))
-    ts = _tensors(dout, _pad(q, d), _pad(k, d), _pad(v, d), out, lse)
+    dout, out, q_w, k_w, v_w = (_pad(x.astype(work, copy=False), d) for x in (dout, out, q, k, v))
+    G = H // Hkv
+    if G > 1:  # one key/value head per query head: the kernel's group sums are done below
+        k_w, v_w = np.repeat(k_w, G, axis=1), np.repeat(v_w, G, axis=1)
+    if tm is not None and work != q.dtype:
+        tm = _tensors(_additive(bm, work))[0]
+    ts = _tensors(dout, q_w, k_w, v_w, out, lse)
     causal = causal_aligned and mask is None
-    dq, dk, dv = _op(_CPU_F + "_backward")(*ts, 0.0, causal, attn_mask=tm, scale=float(scale))
-    return dq.numpy()[..., :E], dk.numpy()[..., :E], dv.numpy()[..., :Ev]
+    dq, dk, dv = (t.numpy() for t in _op(_CPU_F + "_backward")(*ts, 0.0, causal, attn_mask=tm,
+                                                               scale=float(scale)))
+    if G > 1:
+        dk = dk.reshape(B, Hkv, G, m, d).sum(axis=2, dtype=np.float64)
+        dv = dv.reshape(B, Hkv, G, m, d).sum(axis=2, dtype=np.float64)
+    return dq[..., :E], dk[..., :E], dv[..., :Ev]
 
 
 def merge(out: Any, lse: Any, out_c: Any, lse_c: Any) -> None:

@@ -26,7 +26,7 @@ def visible(mask: MaskSpec, q_pos: np.ndarray, k_pos: np.ndarray, seg_q: Any = N
     q_pos, k_pos : (n,), (k,) integer arrays
         Global positions of the queries and of the keys.
     seg_q, seg_k : (B, n), (B, k) integer arrays, optional
-        Document ids at those positions (``seg_k`` defaults to ``seg_q``).
+        Document ids at those positions (both or neither).
     pad : (B, k) bool array, optional
         Key padding at those positions (True = hidden).
 
@@ -45,9 +45,7 @@ def visible(mask: MaskSpec, q_pos: np.ndarray, k_pos: np.ndarray, seg_q: Any = N
         ok &= k - q <= hi
     ok = ok[None]
     if seg_q is not None:
-        sq = np.asarray(seg_q)
-        sk = sq if seg_k is None else np.asarray(seg_k)
-        ok = ok & (sq[:, :, None] == sk[:, None, :])
+        ok = ok & (np.asarray(seg_q)[:, :, None] == np.asarray(seg_k)[:, None, :])
     if pad is not None:
         ok = ok & ~np.asarray(pad, dtype=bool)[:, None, :]
     return ok

@@ -15,9 +15,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import backend
+from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
-from ..layouts import check_block_size, check_layout, check_shares, layout_key, local_lengths
+from ..layouts import (check_block_size, check_layout, check_shares, describe_key, layout_key,
+                       local_lengths)
 
 __all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta",
            "plan_nt", "plan_nn", "plan_tn"]
@@ -98,27 +100,16 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
     dtype = np.dtype(arrays[0][1].dtype)
     # From here on every rank holds the same data and runs the same pure checks,
     # so they raise the same error everywhere without further communication.
-    layout0, block0, dtype0, _, xp0 = meta_all[0]
-    block_size = block0
-    for r, (lay, blk, dt, _, xp_name) in enumerate(meta_all):
-        if xp_name != xp0:
-            raise TypeError(f"{op}: rank {r} passes {xp_name} arrays, rank 0 {xp0} arrays")
-        if lay != layout0:
-            raise ValueError(f"{op}: layout differs between ranks: {_shown(lay)} on rank {r}, "
-                             f"{_shown(layout0)} on rank 0")
-        if blk != block0:
-            raise ValueError(f"{op}: block_size differs between ranks: {blk!r} on rank {r}, {block0!r} on rank 0")
-        if dt != dtype0:
-            raise TypeError(f"{op}: dtype differs between ranks: {dt} on rank {r}, {dtype0} on rank 0")
+    block_size = meta_all[0][1]
     shapes = [[m[3][i] for m in meta_all] for i in range(len(names))]
-    for nm, per_rank in zip(names, shapes):
-        _same_except_rows(per_rank, nm, op)
+    with errors.alike():
+        for i, what in ((4, "backend"), (0, "layout"), (1, "block_size"), (2, "dtype")):
+            errors.same_everywhere([m[i] for m in meta_all], f"{op}'s {what}",
+                                   describe_key if what == "layout" else repr)
+        for nm, per_rank in zip(names, shapes):
+            _same_except_rows(per_rank, nm, op)
     prepare(c, *(x for _, x in arrays))
     return xp, dtype, shapes, layout, block_size
-
-
-def _shown(key: Any) -> str:
-    return f"an explicit Layout of {key[1]} rows, digest {key[3][:12]}" if isinstance(key, tuple) else repr(key)
 
 
 def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:
@@ -162,6 +153,7 @@ def _block(block_size: int | None, counts: list[int], row_bytes: int) -> int:
     return default_block_size(max(counts, default=0), row_bytes)
 
 
+@errors.alike()  # on gathered metadata: every rank raises alike
 def plan_nt(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_nt", names: tuple[str, str] = ("a", "b")) -> Plan:
     d_a, d_b = sa[0][-1], sb[0][-1]
@@ -175,6 +167,7 @@ def plan_nt(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size
     return Plan(lead, sum(m), n[rank], sum(m), _block(block_size, m, row_bytes))
 
 
+@errors.alike()  # on gathered metadata: every rank raises alike
 def plan_nn(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_nn", names: tuple[str, str] = ("a", "b")) -> Plan:
     n = _row_counts(sa, names[0], op, layout)
@@ -188,6 +181,7 @@ def plan_nn(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size
     return Plan(lead, sum(m), n[rank], d, _block(block_size, m, row_bytes))
 
 
+@errors.alike()  # on gathered metadata: every rank raises alike
 def plan_tn(sa: list[Shape], sb: list[Shape], layout: Any, rank: int, block_size: int | None,
              dtype: np.dtype, op: str = "matmul_tn", names: tuple[str, str] = ("a", "b")) -> Plan:
     for r, (x, y) in enumerate(zip(sa, sb)):

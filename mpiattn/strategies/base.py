@@ -58,6 +58,8 @@ class Strategy:
     name: str = ""
     #: Whether ``strategy="auto"`` may pick it.
     auto: bool = True
+    #: Whether it computes through an engine (materialized runs the products instead).
+    uses_engine: bool = True
 
     def supports(self, spec: Any, P: int) -> str | None:
         """None when the strategy runs the call ``spec`` on ``P`` ranks, else why not."""

@@ -114,6 +114,7 @@ class Materialized(Strategy):
 
     name = "materialized"
     auto = False
+    uses_engine = False
 
     def cost(self, spec: Any, P: int, block: int) -> Cost:
         m = spec.M / P

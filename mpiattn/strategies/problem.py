@@ -161,7 +161,9 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
                          1.0 / math.sqrt(E) if options.scale is None else options.scale, mask_spec,
                          options.layout, options.kv_layout, options, fused)
     return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
-            "backend": xp.__name__, "options": options.key(), "masks": mask_spec,
+            "backend": xp.__name__, **options.by_field(),
+            "segment_ids / kv_segment_ids / key_padding_mask presence": (
+                mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
             f"the environment's {FUSED_VARIABLE}": fused,
             "_n": n, "_m": m, "_spec": here,
             "_engine": engines.local_choice(options.engine, here)}

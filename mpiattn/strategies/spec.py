@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import backend
-from ..layouts import check_layout, layout_key
+from ..layouts import check_block_size, check_layout, layout_key
 from ..masks import MaskSpec, check_window
 
 __all__ = ["Options", "AttentionSpec"]
@@ -57,6 +57,12 @@ class Options:
         score tile; default the engine's preference.
     check_finite : bool
         Raise ValueError when an input holds NaN or Inf.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a field of the wrong type or out of range (checked locally; the
+        public calls check them inside their agreement, so every rank raises).
     """
 
     causal: bool = False
@@ -86,12 +92,7 @@ class Options:
         for name in ("strategy", "engine"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a name (str), got {getattr(self, name)!r}")
-        block = self.block_size
-        if block is not None and (isinstance(block, (bool, np.bool_))
-                                  or not isinstance(block, (int, np.integer)) or block < 1):
-            raise ValueError(f"block_size must be a positive integer or None, got {block!r}")
-        if block is not None:
-            object.__setattr__(self, "block_size", int(block))
+        object.__setattr__(self, "block_size", check_block_size(self.block_size, "attention"))
         object.__setattr__(self, "check_finite", bool(self.check_finite))
 
     @classmethod
@@ -112,10 +113,11 @@ class Options:
                             f"are {', '.join(f.name for f in fields(cls))}")
         return replace(base, **keywords) if keywords else base
 
-    def key(self) -> tuple:
-        """A comparable, picklable summary (explicit layouts by digest)."""
-        return tuple(layout_key(v) if f.name in ("layout", "kv_layout") and v is not None else v
-                     for f, v in ((f, getattr(self, f.name)) for f in fields(self)))
+    def by_field(self) -> dict:
+        """``{field: value}``, comparable and small (an explicit layout by its digest)."""
+        return {f.name: (layout_key(getattr(self, f.name))
+                         if f.name in ("layout", "kv_layout") and getattr(self, f.name) is not None
+                         else getattr(self, f.name)) for f in fields(self)}
 
 
 @dataclass(frozen=True)

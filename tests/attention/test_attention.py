@@ -72,8 +72,12 @@ def engine_or_skip(engine, strategy, dtype=np.float64, xp=np):
         return
     if strategy == "materialized":
         pytest.skip("the materialized strategy runs the products, not an engine")
-    from mpiattn.kernels import torch_engine
-    why = torch_engine.supports(xp.__name__, dtype, 8, 8, ("causal", "padding"))
+    from mpiattn.kernels import engines
+    from mpiattn.strategies import AttentionSpec, Options
+    spec = AttentionSpec.from_shapes((1, 1, 8, 8), (1, 1, 8, 8), (1, 1, 8, 8), dtype,
+                                     Options(causal=True), device=xp.__name__, padding=True)
+    torch_ = engines.get("torch")
+    why = torch_.supports(spec) or torch_.usable(xp.__name__)
     if why is not None:
         pytest.skip(f"torch engine: {why}")
 

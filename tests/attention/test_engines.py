@@ -8,7 +8,7 @@ import pytest
 
 import mpiattn
 from mpiattn.kernels import engines, torch_engine, torch_ops
-from mpiattn.strategies import problem
+from mpiattn.strategies import AttentionSpec, Options, problem
 
 from helpers import host
 
@@ -25,51 +25,70 @@ def _chosen(comm, monkeypatch, **kw):
     """The engine validate() agrees on for a small call."""
     q, k, v = _case(comm, kw.pop("dtype", np.float32))
     c = mpiattn.get_comm(comm.mpi)
-    pb = problem.validate(c, q, k, v, None, {}, causal=kw.pop("causal", False), scale=None,
-                          layout="contiguous", strategy="ring", block_size=None,
-                          check_finite=True, **kw)
-    return pb.engine, pb.engine_reason
+    pb = problem.validate(c, q, k, v, None, {}, dict(strategy="ring", **kw))
+    return pb.engine.name, pb.engine_reason
 
 
-def test_local_choice_rule(monkeypatch):
-    have = torch_engine.supports("numpy", np.float32, 8, 8, ()) is None
-    if have:
-        import torch  # noqa: F401 - auto uses torch only once the process has imported it
-    assert engines.local_choice("native", "numpy", np.float32, 8, 8, ())[0] == "native"
-    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("causal",))
-    assert name == ("torch" if have else "native"), why
-    assert engines.local_choice("auto", "numpy", np.float16, 8, 8, ())[0] == "native"
-    assert engines.local_choice("auto", "cupy", np.float32, 8, 8, ())[0] == "native"
-    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ("window",))
-    assert name == "native" and ("window" in why or not have), why
-    name, why = engines.local_choice("torch", "numpy", np.int32, 8, 8, ())
-    assert name == "" and "int32" in why
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
-    name, why = engines.local_choice("auto", "numpy", np.float32, 8, 8, ())
-    assert name == "native" and ("not imported" in why or "not installed" in why), why
+def _spec(dtype=np.float32, device="numpy", E=8, **options):
+    return AttentionSpec.from_shapes((1, 2, 16, E), (1, 1, 16, E), (1, 1, 16, E), dtype,
+                                     Options(**options), device=device)
 
 
-def test_torch_absent_gives_native(comm, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))  # as if imported
+def test_engines_declare_what_they_support():
+    native, torch_ = engines.get("native"), engines.get("torch")
+    for dtype in (np.float16, np.float32, np.float64):
+        for device in ("numpy", "cupy"):
+            assert native.supports(_spec(dtype, device, causal=True, window=(3, 0))) is None
+    assert torch_.supports(_spec(np.float32, causal=True)) is None
+    assert "window" in torch_.supports(_spec(np.float32, window=(3, 0)))
+    assert "float64" in torch_.supports(_spec(np.float64, "cupy"))
+    assert "multiples of 8" in torch_.supports(_spec(np.float32, "cupy", E=12))
+    assert torch_.capabilities.needs_out and not native.capabilities.needs_out
+    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+        engines.get("fast")
+
+
+def test_auto_is_the_native_engine_whatever_was_imported(comm, monkeypatch):
+    """The rule is deterministic: the same call picks the same engine, torch imported or not."""
+    for imported in (False, True):
+        if imported:
+            monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
+        else:
+            monkeypatch.delitem(sys.modules, "torch", raising=False)
+        assert engines.local_choice("auto", _spec(causal=True)) == engines.AUTO
+        name, why = _chosen(comm, monkeypatch, engine="auto", causal=True)
+        assert (name, why) == engines.AUTO
+    assert engines.local_choice("native", _spec())[0] == "native"
+
+
+def test_torch_absent_is_an_error_only_when_asked_for(comm, monkeypatch):
     monkeypatch.setattr(torch_ops, "available", lambda: "torch not importable: No module named 'torch'")
-    name, why = _chosen(comm, monkeypatch, engine="auto")
-    assert name == "native" and "not importable" in why
+    assert _chosen(comm, monkeypatch, engine="auto")[0] == "native"
     with pytest.raises(ValueError, match="engine 'torch' cannot run on rank 0: torch not importable"):
         _chosen(comm, monkeypatch, engine="torch")
+    name, why = engines.local_choice("torch", _spec(np.float32, window=(2, 2)))
+    assert name == "" and "window" in why
 
 
-def test_one_rank_without_torch_makes_every_rank_native(comm, monkeypatch):
+def test_one_rank_without_torch_is_one_error_everywhere(comm, monkeypatch):
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
-    if torch_engine.supports("numpy", np.float32, 8, 8, ()) is not None:
+    if engines.get("torch").usable("numpy") is not None:
         pytest.skip("torch engine not usable here")
-    import torch  # noqa: F401 - auto considers torch once it is imported
     if comm.rank == comm.size - 1:
         monkeypatch.setattr(torch_ops, "available", lambda: "torch missing on this node")
-    name, why = _chosen(comm, monkeypatch, engine="auto")
-    assert name == "native" and f"rank {comm.size - 1}" in why
+    assert _chosen(comm, monkeypatch, engine="auto")[0] == "native"
     with pytest.raises(ValueError, match=f"cannot run on rank {comm.size - 1}"):
         _chosen(comm, monkeypatch, engine="torch")
+
+
+def test_torch_support_is_decided_by_its_op_schemas(monkeypatch):
+    """A torch whose kernels have other signatures is refused with the reason, whatever its version."""
+    if engines.get("torch").usable("numpy") is not None:
+        pytest.skip("torch engine not usable here")
+    monkeypatch.setitem(torch_ops._SCHEMAS, torch_ops._CPU_F, "(Tensor query) -> Tensor")
+    why = torch_ops.available()
+    assert why is not None and "another signature" in why and torch_ops._CPU_F in why
 
 
 def test_unknown_engine_same_error_everywhere(comm):
@@ -90,7 +109,7 @@ def test_ranks_must_agree_on_engine(comm):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_torch_matches_native_no_nan(comm, causal, layout):
     """Both engines, rows with no visible key included: same numbers, never NaN."""
-    if torch_engine.supports("numpy", np.float64, 8, 8, ()) is not None:
+    if engines.get("torch").usable("numpy") is not None:
         pytest.skip("torch engine not usable here")
     rng = np.random.default_rng(3)
     B, H, Hkv, N, E = 2, 4, 2, 37, 8
@@ -115,7 +134,7 @@ def test_torch_matches_native_no_nan(comm, causal, layout):
 
 def test_causal_calls_cover_each_visible_pair_once():
     """The causal split of a block into torch calls: every visible pair exactly once, nothing hidden."""
-    from mpiattn.kernels.masks import BlockMask
+    from mpiattn.masks import BlockMask
     rng = np.random.default_rng(5)
     for _ in range(50):
         q_pos = np.sort(rng.choice(60, size=rng.integers(1, 30), replace=False))
@@ -141,16 +160,3 @@ def test_import_does_not_import_torch(serial_only):
             "assert 'torch' not in sys.modules, 'the native engine imported torch'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-
-
-def test_untested_torch_falls_back_with_one_notice(comm, monkeypatch, caplog):
-    import logging
-    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch", object()))
-    monkeypatch.setattr(torch_ops, "available", lambda: "torch 9.1 untested (tested: 2.13; set MPIATTN_TORCH_UNTESTED=1 to try)")
-    monkeypatch.setattr(engines, "_SAID", set())
-    with caplog.at_level(logging.WARNING, logger="mpiattn.engines"):
-        for _ in range(2):
-            name, why = _chosen(comm, monkeypatch, engine="auto")
-            assert name == "native" and "untested" in why
-    notes = [r.getMessage() for r in caplog.records if r.name == "mpiattn.engines"]
-    assert notes == (["mpiattn: using the native engine: " + why] if comm.rank == 0 else [])

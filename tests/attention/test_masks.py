@@ -242,10 +242,10 @@ def test_gradients_by_finite_differences(comm, xp, strategy):
 def test_block_mask_rules_and_tile_classification():
     """Random positions (runs and shuffles), windows, ids: "none" and "all" are never wrong, and
     tiles of at most REFINE_LIMIT pairs are classified exactly."""
-    from mpiattn.kernels.masks import BlockMask
+    from mpiattn.masks import BlockMask
 
     m = BlockMask(np.arange(4), np.arange(4), True, None, (2, None))
-    assert m.rules == ("causal", "window") and m.positional and m.needs_dense
+    assert m.rules == ("causal", "window") and m.positional
     assert BlockMask(np.arange(4), np.arange(4), True, np.zeros((1, 4), bool)).rules == ("causal", "padding")
     assert not BlockMask(np.arange(2), np.arange(2)).positional
     assert BlockMask(np.arange(2), np.arange(2), window=(None, None)).rules == ()
@@ -309,9 +309,9 @@ def test_tiles_without_visible_pairs_are_never_computed(comm, monkeypatch, strat
         calls[0] += 1
         return real_tile(*a, **k)
 
-    def block(st, group, k, v, mask, tile=native.DEFAULT_TILE):
+    def block(st, group, k, v, mask, *rest):
         blocks[0] += not mask.visible_pairs(0, mask.q_pos.size, 0, mask.k_pos.size).any()
-        return real_block(st, group, k, v, mask, tile)
+        return real_block(st, group, k, v, mask, *rest)
 
     monkeypatch.setattr(native, "_tile_generic", counting)
     monkeypatch.setattr(native, "forward_block", block)
@@ -404,9 +404,9 @@ def test_rank_dependent_masks_and_layouts(comm, xp):
     N = 3 * P
     Q, K, V, _ = case(2, 1, 1, 1, N)
     q = xp.asarray(mpiattn.shard(Q))
-    with pytest.raises(ValueError, match="ranks disagree on masks"):
+    with pytest.raises(ValueError, match="ranks disagree on window: rank 0 has"):
         mpiattn.attention(q, q, q, window=(1, 0) if comm.rank == 0 else (2, 0))
-    with pytest.raises(ValueError, match="ranks disagree on masks"):
+    with pytest.raises(ValueError, match="ranks disagree on segment_ids .* presence"):
         ids = np.zeros((1, q.shape[2]), dtype=np.int64)
         mpiattn.attention(q, q, q, segment_ids=ids if comm.rank == 0 else None)
     # an explicit layout that differs between ranks (same row counts on every rank)
@@ -416,9 +416,9 @@ def test_rank_dependent_masks_and_layouts(comm, xp):
     lay = mpiattn.Layout(base if comm.rank == 0 else other)
     with pytest.raises(ValueError, match="ranks disagree on layout"):
         mpiattn.attention(q, q, q, layout=lay)
-    with pytest.raises(ValueError, match="layout differs between ranks"):
+    with pytest.raises(ValueError, match="ranks disagree on gather's layout"):
         mpiattn.gather(q, layout=lay)
-    with pytest.raises(ValueError, match="layout differs between ranks"):
+    with pytest.raises(ValueError, match="ranks disagree on shard's layout"):
         mpiattn.shard(Q, layout=lay)
 
 

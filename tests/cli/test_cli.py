@@ -16,9 +16,8 @@ import mpiattn
 from mpiattn import cli
 from mpiattn.cli import commands, common, steps
 from mpiattn.io import datagen
-from mpiattn.cli.check import exact_attention as reference
 
-from helpers import bad_input, whole
+from helpers import bad_input, reference, whole
 
 
 
@@ -194,12 +193,12 @@ def test_output_rules(comm, capsys, shared_dir):
 
 def test_failed_check_exits_1(comm, capsys, shared_dir, monkeypatch):
     inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
-    real = steps.exact_attention
+    real = steps.dense_attention
 
     def skewed(*a, **kw):
         r = real(*a, **kw)
         return r._replace(dv=r.dv * 1.01)
-    monkeypatch.setattr(steps, "exact_attention", skewed)
+    monkeypatch.setattr(steps, "dense_attention", skewed)
     code, _, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o.h5"), "--check")
     assert code == 1 and (comm.rank or ("check failed" in err and "dv" in err))
     code, text, err = run(comm, capsys, "run", inp, "-o", os.path.join(shared_dir, "o2.h5"),

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 
-from mpiattn.cli.check import exact_attention as reference
-from helpers import mpiexec, run_group, whole
+from helpers import mpiexec, reference, run_group, whole
 
 LIMIT_S = 120
 

@@ -3,7 +3,8 @@
 Exercises the CLI's GPU path: device binding, host slabs uploaded to the
 "device", the transport flag (passed to ``gpu.bind_device``, never through the
 environment), results brought back to the host and written. The CLI gets a
-communicator of its own (fresh Comm cache), freed afterwards.
+communicator of its own (a fresh Comm of a duplicate of COMM_WORLD), freed
+afterwards.
 """
 
 import os
@@ -12,22 +13,24 @@ import numpy as np
 import pytest
 
 import fake_cupy
-from helpers import install_fake_cupy, whole
+from helpers import install_fake_cupy, reference, whole
 from mpiattn import cli
-from mpiattn.cli.check import exact_attention
+from mpiattn.cli import commands, steps
 from mpiattn.comm import core as comm_core
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch, comm):
-    monkeypatch.setattr(comm_core, "_CACHE", {})  # the CLI's get_comm() makes a Comm of its own
+    """(the fake CuPy, the Comm the CLI uses): a Comm of its own, so its transport is fresh."""
+    from mpi4py import MPI
+    own = MPI.COMM_WORLD.Dup()
+    cli_comm = comm_core.get_comm(own)
+    monkeypatch.setattr(steps, "world_comm", lambda: cli_comm)
+    monkeypatch.setattr(commands, "world_comm", lambda: cli_comm)
     cp = install_fake_cupy(monkeypatch, device_count=comm.size)  # one GPU per rank
     fake_cupy._state.bus_id = f"0000:{comm.rank:02x}:00.0"
-    yield cp
-    for _, c in list(comm_core._CACHE.values()):
-        if getattr(c, "device_transport", None) is not None:
-            c.device_transport.close()
-        c.mpi.Free()
+    yield cp, cli_comm
+    own.Free()  # frees the CLI's Comm and its transport too (MPI attribute caching)
     fake_cupy.shutdown()
 
 
@@ -58,12 +61,12 @@ def test_run_on_fake_gpu(comm, capsys, shared_dir, fake_gpu, monkeypatch, flag, 
     if comm.rank == 0:
         assert "compute  cupy, float64" in text and "OK" in text
     # the transport the CLI's Comm actually got, as it uses it and as the output records it
-    (_, cli_comm), = comm_core._CACHE.values()
+    cli_comm = fake_gpu[1]
     assert cli_comm.transport == expect and cli_comm.device_transport.name == expect
     got, attrs = whole(out)
     assert attrs["device"] == "cupy" and attrs["gpu_transport"] == expect
     data, _ = whole(inp)
-    ref = exact_attention(data["q"], data["k"], data["v"], data["dout"], causal=True,
-                          key_padding_mask=data["key_padding_mask"])
+    ref = reference(data["q"], data["k"], data["v"], data["dout"], causal=True,
+                    key_padding_mask=data["key_padding_mask"])
     for name in ("out", "dq", "dk", "dv"):
         np.testing.assert_allclose(got[name], getattr(ref, name), atol=1e-12, err_msg=name)

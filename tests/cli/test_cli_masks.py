@@ -216,5 +216,5 @@ def test_read_input_refuses_layouts_that_differ_between_ranks(comm, shared_dir):
                 f[name] = np.ones((1, 1, N, 2))
     comm.barrier()
     mine = mpiattn.balance(N, comm.size, causal=comm.rank == 0)  # zigzag-like on rank 0 only
-    with pytest.raises(ValueError, match="layouts differ between ranks"):
+    with pytest.raises(ValueError, match="ranks disagree on read_input's layouts"):
         reading.read_input(path, comm, layout=mine)

@@ -179,7 +179,6 @@ UNSURE = {"library": "Some MPI"}
 
 def test_decide_auto_needs_every_rank(comm, monkeypatch, caplog):
     monkeypatch.delenv("MPIATTN_GPU_TRANSPORT", raising=False)
-    monkeypatch.setattr(comm_device, "_SAID", set())
     _fake_votes(monkeypatch, comm, [YES] * comm.size)
     name, why = gpu.decide_transport(comm)
     assert (name, why) == ("cuda-aware", "MPIX_Query_cuda_support() returned 1")
@@ -210,7 +209,6 @@ def test_decide_env_overrides(comm, monkeypatch, env, votes, expect):
 
 def test_decide_forced_cuda_aware_warns_against_evidence(comm, monkeypatch):
     monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "cuda-aware")
-    monkeypatch.setattr(comm_device, "_SAID", set())
     _fake_votes(monkeypatch, comm, [NO] * comm.size)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
@@ -287,13 +285,11 @@ def test_bind_device_picks_by_node_local_rank(comm, fake, monkeypatch):
     with pytest.raises(ValueError, match="has 4 GPU"):
         gpu.bind_device(comm, configure_transport=False)
     # more ranks than GPUs: one warning, from the node's first rank
-    monkeypatch.setattr(gpu, "_WARNED", set())
     monkeypatch.delenv("MPIATTN_DEVICE")
     fake_cupy._state.device_count = 1
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         assert gpu.bind_device(comm, configure_transport=False) == 0
-        gpu.bind_device(comm, configure_transport=False)
     shared = [w for w in got if "share" in str(w.message)]
     assert len(shared) == (1 if local == 0 and local_size > 1 else 0)
 
@@ -445,11 +441,15 @@ def test_pinned_pool_waits_for_copies(fake):
     assert pool.take(0).nbytes == 0
 
 
-def test_upload_through_pinned_buffer(fake):
+def test_upload_through_pinned_buffer(fake_comm, fake):
     x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    y = gpu.upload(x)
+    with pytest.raises(RuntimeError, match="call mpiattn.gpu.bind_device"):
+        gpu.upload(x, fake_comm)  # no GPU bound for this communicator yet
+    gpu.bind_device(fake_comm, configure_transport=False)
+    y = gpu.upload(x, fake_comm)
     assert type(y).__module__ == "cupy" and y.dtype == x.dtype
     np.testing.assert_array_equal(host(y), x)
+    assert gpu.compute_stream(fake_comm) is gpu.compute_stream(fake_comm)  # one per bound device
 
 
 # ------------------------------------------------ fused kernels (generic code)
@@ -491,15 +491,21 @@ def test_softmax_step_and_rescale_add_match_float64_math(entry):
     np.testing.assert_allclose(O3, alpha[..., None] * O + PV, rtol=1e-6)
 
 
-def test_fused_entry_points_are_opt_in(monkeypatch):
-    import types
+def test_fused_switch_is_read_once_per_call_and_agreed(comm, monkeypatch):
+    """MPIATTN_FUSED_KERNELS=1 asks for the fused kernels; every rank must say the same."""
+    from mpiattn.strategies import problem
 
-    monkeypatch.delenv("MPIATTN_FUSED_KERNELS", raising=False)
-    fake_xp = types.SimpleNamespace()
-    assert not fused.use_fused(np) and not fused.use_fused(fake_xp)
-    monkeypatch.setenv("MPIATTN_FUSED_KERNELS", "1")
-    assert fused.use_fused(fake_xp) and not fused.use_fused(np)
-    assert sorted(fused.__all__) == ["generic", "rescale_add_", "softmax_step_", "use_fused"]
+    x = np.ones((1, 1, 4, 2))
+    call = lambda: problem.validate(comm, x, x, x, None, {}, {})  # noqa: E731
+    monkeypatch.delenv(problem.FUSED_VARIABLE, raising=False)
+    assert call().spec.fused is False
+    monkeypatch.setenv(problem.FUSED_VARIABLE, "1")
+    assert call().spec.fused is True
+    if comm.size > 1:
+        monkeypatch.setenv(problem.FUSED_VARIABLE, "1" if comm.rank == 0 else "0")
+        with pytest.raises(ValueError, match="ranks disagree on the environment's MPIATTN_FUSED_KERNELS"):
+            call()
+    assert sorted(fused.__all__) == ["generic", "rescale_add_", "softmax_step_"]
 
 
 # ---------------------------------------------------------- real GPU only
@@ -547,8 +553,7 @@ def test_gpu_upload(cp):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gpu_fused_kernels_match_generic(cp, dtype, monkeypatch):
-    monkeypatch.setenv("MPIATTN_FUSED_KERNELS", "1")
+def test_gpu_fused_kernels_match_generic(cp, dtype):
     if not hasattr(cp, "RawKernel"):
         pytest.skip("this CuPy cannot compile kernels (the fake of jobs/gpu_check.sh --dry-run)")
     rng = np.random.default_rng(5)

@@ -1,11 +1,16 @@
-"""The float64 reference behind ``--check``: against explicit loops and finite differences."""
+"""The library's dense reference (``--check``, the benchmark's peer): against loops and finite differences."""
 
 import math
 
 import numpy as np
 import pytest
 
-from mpiattn.cli.check import exact_attention as reference
+from mpiattn.kernels.reference import dense_attention
+from mpiattn.masks import MaskSpec
+
+
+def reference(*arrays, causal=False, **kw):
+    return dense_attention(*arrays, mask=MaskSpec(causal=causal), **kw)
 
 
 def _problem(seed, B=2, H=4, Hkv=2, N=5, M=7, E=3, Ev=2):

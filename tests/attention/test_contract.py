@@ -1,0 +1,269 @@
+"""The shared contract: every registered strategy, with every engine that declares the case.
+
+Strategies and engines come from their registries (:data:`mpiattn.strategies.registry.STRATEGIES`,
+:data:`mpiattn.kernels.engines.ENGINES`): one added there is tested here with no new
+test code, on every case it declares it supports (the others are skipped with its own
+reason). Each case runs forward and backward on sharded inputs and is compared, on the
+gathered arrays, with the tests' float64 reference (``helpers.dense_attention``) under
+FlashAttention's rule: the error of each output is at most 2x (float64) or 3x
+(float32, float16) the error of a plain same-dtype attention computed by torch (NumPy
+where torch is absent), plus one rounding step of the output (``lse``: of float32 at
+least, its dtype for float16 inputs); for ``dq`` and ``dk`` also
+one rounding step of ``D = rowsum(dout * out)``, which the plain baseline does not form
+and which shows where a row's softmax is one-hot (e.g. ``window=(0, 0)``).
+
+The matrix: dtypes, masks (causal, windows, documents, padding, fully masked rows),
+layouts (named, explicit, balanced), GQA/MQA, uneven and empty shards, N != M; and a
+sample of FlashAttention's own test grid (sequence-length pairs, head dims 32..256,
+9 query heads on 9, 3 or 1 key/value heads, random windows).
+"""
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import mpiattn
+from mpiattn.kernels import engines
+from mpiattn.strategies import AttentionSpec, Options, registry
+
+from helpers import dense_attention, host, visible_matrix
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    B: int = 2
+    H: int = 4
+    Hkv: int = 2
+    N: int = 37
+    M: int | None = None
+    E: int = 8
+    Ev: int | None = None
+    causal: bool = False
+    window: tuple | None = None
+    docs: bool = False
+    pad: bool = False
+    layout: str = "contiguous"
+    kv_layout: str | None = None
+    block: int | None = 7
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def m(self):
+        return self.N if self.M is None else self.M
+
+    @property
+    def ev(self):
+        return self.E if self.Ev is None else self.Ev
+
+
+BASE = [
+    Case("plain-f64", "float64"),
+    Case("causal-zigzag-f32", "float32", causal=True, layout="zigzag"),
+    Case("padding-f16", "float16", pad=True, B=3),
+    Case("causal-padding-f32-mqa", "float32", H=4, Hkv=1, causal=True, pad=True),
+    Case("window-f32", "float32", window=(5, 0)),
+    Case("window-0-0-f64", "float64", window=(0, 0), causal=True),
+    Case("window-both-f16", "float16", window=(3, 4)),
+    Case("documents-balanced-f64", "float64", docs=True, causal=True, layout="balanced"),
+    Case("documents-padding-f32", "float32", docs=True, pad=True),
+    Case("cross-explicit-f32", "float32", N=29, M=41, Ev=5, kv_layout="explicit", layout="zigzag"),
+    Case("cross-causal-f64", "float64", N=41, M=23, causal=True),
+    Case("tiny-empty-shards-f64", "float64", N=3, M=2, B=1),
+    Case("uneven-f16-gqa", "float16", H=6, Hkv=2, N=31, E=16, causal=True, layout="zigzag"),
+    Case("balanced-tiles-f32", "float32", causal=True, N=64, layout="balanced-tiles", block=8),
+]
+
+
+def _flash_grid_sample():
+    """A sample of FlashAttention's test grid, small enough for every rank count."""
+    pairs = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024),
+             (1024, 1023), (239, 1), (1, 239), (3, 799), (799, 3)]
+    dims = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+    rng = np.random.default_rng(2024)
+    out = []
+    for i, (N, M) in enumerate(pairs):
+        big = N * M > 200_000
+        E = dims[i % 3] if big else dims[(3 + 5 * i) % len(dims)]
+        window = None
+        if i % 2:
+            window = (int(rng.integers(0, max(N, 2))), int(rng.integers(0, max(M, 2))))
+        out.append(Case(f"flash-{N}x{M}-d{E}-hkv{(9, 3, 1)[i % 3]}", ("float32", "float16", "float64")[i % 3],
+                        B=1, H=9, Hkv=(9, 3, 1)[i % 3], N=N, M=M, E=E, causal=bool(i % 4 == 2),
+                        window=window, block=128, seed=i))
+    return out
+
+
+CASES = BASE + _flash_grid_sample()
+STRATEGIES = list(registry.STRATEGIES)
+ENGINES = list(engines.ENGINES)
+
+
+# ------------------------------------------------------------------ data and references
+@functools.lru_cache(maxsize=4)
+def _data(case):
+    rng = np.random.default_rng(case.seed)
+    dt = np.dtype(case.dtype)
+    Q = rng.standard_normal((case.B, case.H, case.N, case.E)).astype(dt)
+    K = rng.standard_normal((case.B, case.Hkv, case.m, case.E)).astype(dt)
+    V = rng.standard_normal((case.B, case.Hkv, case.m, case.ev)).astype(dt)
+    dO = rng.standard_normal((case.B, case.H, case.N, case.ev)).astype(dt)
+    seg = None
+    if case.docs:
+        seg = np.sort(rng.integers(0, max(2, case.N // 6), (case.B, case.N)), axis=1)
+    pad = rng.random((case.B, case.m)) < 0.3 if case.pad else None
+    if pad is not None:
+        pad[-1] = True  # a batch entry with no key at all
+    vis = visible_matrix(case.B, case.N, case.m, case.causal, case.window, seg, seg, pad)
+    ref = dense_attention(Q, K, V, vis[:, None], None, dO)
+    base = _baseline(Q, K, V, dO, vis[:, None], dt)
+    return Q, K, V, dO, seg, pad, vis, ref, base
+
+
+def _baseline(Q, K, V, dO, vis, dt):
+    """Plain attention in the inputs' dtype (torch autograd, else NumPy): the error to beat."""
+    try:
+        import torch
+    except ImportError:
+        return _numpy_baseline(Q, K, V, dO, vis, dt)
+    G = Q.shape[1] // K.shape[1]
+    t = [torch.from_numpy(np.ascontiguousarray(x)).requires_grad_(True) for x in (Q, K, V)]
+    s = 1 / np.sqrt(Q.shape[-1])
+    Kr, Vr = t[1].repeat_interleave(G, dim=1), t[2].repeat_interleave(G, dim=1)
+    S = (t[0] @ Kr.transpose(-1, -2)) * s
+    mask = torch.from_numpy(np.broadcast_to(vis, S.shape).copy())
+    S = S.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(S.detach(), dim=-1)
+    P = torch.softmax(S, dim=-1).nan_to_num(0.0)
+    out = P @ Vr
+    out.backward(torch.from_numpy(np.ascontiguousarray(dO)))
+    return (out.detach().numpy(), lse.numpy(), t[0].grad.numpy(), t[1].grad.numpy(),
+            t[2].grad.numpy())
+
+
+def _numpy_baseline(Q, K, V, dO, vis, dt):
+    return tuple(x.astype(dt) for x in dense_attention(Q.astype(dt), K.astype(dt),
+                                                       V.astype(dt), vis, None, dO))
+
+
+def _layouts(case, P, seg):
+    def one(kind, n):
+        if kind in ("contiguous", "zigzag"):
+            return kind
+        if kind == "explicit":  # every rank's rows shuffled into a few ranges
+            cuts = np.linspace(0, n, 2 * P + 1).astype(int)
+            ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+            return mpiattn.Layout([ranges[r::P][::-1] for r in range(P)])
+        tiles = dict(block_size=case.block) if kind == "balanced-tiles" else {}
+        return mpiattn.balance(n, P, causal=case.causal, window=case.window, segment_ids=seg, **tiles)
+    lay = one(case.layout, case.N)
+    return lay, (None if case.kv_layout is None else one(case.kv_layout, case.m))
+
+
+# ------------------------------------------------------------------ the rule
+def _allowances(Q, K, V, dO, vis, lse):
+    """What one rounding step moves, beyond the outputs' own (float64, per unit epsilon).
+
+    ``lse``: ``1 + s |q| |k|`` (a score's rounding; rows' largest 2-norms);
+    ``D = rowsum(dO * out)``: one step of it per row, ``sum |dO * out|``, and
+    how far that moves ``dq`` (``s D_err P |K|``) and ``dk`` (``s P^T D_err |Q|``).
+    """
+    B, H, N, E = Q.shape
+    G = H // K.shape[1]
+    s = 1 / np.sqrt(E)
+    Kr, Vr = (np.repeat(x.astype(np.float64), G, axis=1) for x in (K, V))
+    Q, dO = Q.astype(np.float64), dO.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        S = s * Q @ Kr.swapaxes(-1, -2)
+        P = np.where(vis, np.exp(S - np.where(np.isfinite(lse), lse, 0)[..., None]), 0.0)
+    d_row = np.abs(dO * (P @ Vr)).sum(-1, keepdims=True)
+    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
+    top = lambda x: float(np.max(x, initial=0.0))  # noqa: E731
+    qn, kn = np.sqrt((Q ** 2).sum(-1)).max(initial=0), np.sqrt((Kr ** 2).sum(-1)).max(initial=0)
+    return {"lse": 1.0 + s * qn * kn, "dq": s * top((P * d_row) @ np.abs(Kr)),
+            "dk": s * top(fold((P * d_row).swapaxes(-1, -2) @ np.abs(Q)))}
+
+
+def _check(case, got, ref, base, Q, K, V, dO, vis):
+    """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
+    largest magnitude (``lse``, ``D``: :func:`_allowances`)."""
+    dt = np.dtype(case.dtype)
+    factor = 2.0 if dt == np.float64 else 3.0
+    eps = float(np.finfo(dt).eps)
+    eps_acc = float(np.finfo(np.float64 if dt == np.float64 else np.float32).eps)
+    out, lse, dq, dk, dv = got
+    r_out, r_lse, r_dq, r_dk, r_dv = ref
+    b_out, b_lse, b_dq, b_dk, b_dv = (np.asarray(x, dtype=np.float64) for x in base)
+    extra = _allowances(Q, K, V, dO, vis, r_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+    fin = np.isfinite(r_lse)
+    lse_err = float(np.abs(lse[fin] - r_lse[fin]).max(initial=0.0))
+    lse_base = float(np.abs(b_lse[fin] - r_lse[fin]).max(initial=0.0))
+    lse_step = eps_acc * extra["lse"]  # lse is float32 at least
+    assert lse_err <= factor * lse_base + lse_step, \
+        f"lse: error {lse_err:.3g} > {factor:g} x baseline {lse_base:.3g} + rounding {lse_step:.3g}"
+    for name, x, r, b in (("out", out, r_out, b_out), ("dq", dq, r_dq, b_dq), ("dk", dk, r_dk, b_dk),
+                          ("dv", dv, r_dv, b_dv)):
+        x = np.asarray(x, dtype=np.float64)
+        assert np.isfinite(x).all(), f"{name} has NaN/Inf"
+        err = float(np.abs(x - r).max(initial=0.0))
+        base_err = float(np.abs(b - r).max(initial=0.0))
+        step = eps * float(np.abs(r).max(initial=0.0))
+        d_step = eps_acc * extra.get(name, 0.0) if name in ("dq", "dk") else 0.0
+        assert err <= factor * base_err + step + d_step, (
+            f"{name}: error {err:.3g} > {factor:g} x baseline {base_err:.3g} + rounding {step:.3g}"
+            f" + D step {d_step:.3g}")
+
+
+# ------------------------------------------------------------------ the suite
+def _skip_reason(comm, strategy, engine, case, spec):
+    s = registry.get(strategy)
+    if not s.uses_engine and engine != engines.AUTO[0]:
+        return f"strategy {strategy!r} runs no engine (tested once, with the default)"
+    why = s.supports(spec, comm.size)
+    if why is None:
+        e = engines.get(engine)
+        why = e.supports(spec) or e.usable(spec.device)
+    return why
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_contract(comm, xp, strategy, engine, case):
+    P = comm.size
+    Q, K, V, dO, seg, pad, vis, ref, base = _data(case)
+    lay, kv_lay = _layouts(case, P, seg)
+    options = Options(causal=case.causal, window=case.window, layout=lay, kv_layout=kv_lay,
+                      strategy=strategy, engine=engine, block_size=case.block)
+    spec = AttentionSpec.from_shapes(Q.shape, K.shape, V.shape, Q.dtype, options,
+                                     device=xp.__name__, padding=pad is not None,
+                                     segments=seg is not None)
+    why = _skip_reason(comm, strategy, engine, case, spec)
+    if why is not None:
+        pytest.skip(why)
+    kl = lay if kv_lay is None else kv_lay
+    sq = lambda x, axis=-2: xp.asarray(mpiattn.shard(x, axis=axis, layout=lay))  # noqa: E731
+    sk = lambda x, axis=-2: xp.asarray(mpiattn.shard(x, axis=axis, layout=kl))  # noqa: E731
+    q, k, v, do = sq(Q), sk(K), sk(V), sq(dO)
+    kw = dict(options=options,
+              key_padding_mask=None if pad is None else sk(pad, -1),
+              segment_ids=None if seg is None else mpiattn.shard(seg, axis=-1, layout=lay))
+    used = {}
+    out, lse = mpiattn.attention(q, k, v, details=used, **kw)
+    grads = mpiattn.attention_backward(do, q, k, v, out, lse, **kw)
+    assert (used["strategy"], used["engine"]) == (strategy, engine)
+    gq = lambda x, axis=-2: host(mpiattn.gather(x, axis=axis, layout=lay, root=None))  # noqa: E731
+    gk = lambda x: host(mpiattn.gather(x, layout=kl, root=None))  # noqa: E731
+    got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]))
+    _check(case, got, ref, base, Q, K, V, dO, vis[:, None])
+
+
+def test_the_suite_covers_every_registered_strategy_and_engine():
+    """Adding a strategy or an engine to its registry adds it here: nothing to edit."""
+    assert STRATEGIES == list(registry.STRATEGIES) and ENGINES == list(engines.ENGINES)
+    assert {"ring", "allgather", "ulysses", "materialized"} <= set(STRATEGIES)
