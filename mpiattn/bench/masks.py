@@ -14,11 +14,12 @@ The measured numbers and their commands are in ``benchmarks/masks/``. Two parts:
     where the visible fraction is visible pairs (causal documents) / visible
     pairs (causal).
 ``balance`` (under ``mpiexec -n P``, P = 2 for the issue)
-    Causal packed documents through the ring with the ``balanced``
+    Causal packed documents through mpiattn (``strategy="auto"``: the
+    library's choice, named in each record) with the ``balanced``
     (:func:`mpiattn.balance` counting visible tiles of ``--block`` rows),
     ``balanced-pairs`` (the same counting visible pairs), ``contiguous``
     and ``zigzag`` layouts. The
-    per-rank *compute* time is the time spent inside the native kernel calls
+    per-rank *compute* time is the time spent inside the native engine's kernel calls
     (:func:`mpiattn.kernels.native.forward_block`, wrapped with a timer), so
     waiting for a neighbour does not count; printed per rank with the spread
     ``max / min - 1`` (target for ``balanced``: within 10 %), the visible pairs
@@ -48,7 +49,8 @@ import numpy as np
 
 from .. import balancing
 from ..comm.core import get_comm
-from ..kernels import native
+from ..kernels import DEFAULT_TILE, native
+from ..kernels.native_engine import NativeEngine
 from ..sharding import shard
 from ..strategies import attention, attention_backward
 from ..timing import Timer
@@ -108,7 +110,7 @@ def single(args: argparse.Namespace, emit) -> None:
     seg = documents(n, args.mean_doc, seed=1)
     cases = {"causal": {}, f"window {args.window[0]},{args.window[1]}": dict(window=tuple(args.window)),
              f"documents mean {args.mean_doc}": dict(segment_ids=seg)}
-    base = dict(causal=True, engine="native", strategy="ring", block_size=args.block)
+    base = dict(causal=True, engine=NativeEngine.name, block_size=args.block)
     results = {}
     for name, extra in cases.items():
         kw = {**base, **extra}
@@ -118,14 +120,15 @@ def single(args: argparse.Namespace, emit) -> None:
             if args.backward:
                 attention_backward(do, q, k, v, out, lse, **kw)
 
+        used: dict = {}
         with KernelClock() as clock:
-            attention(q, k, v, **kw)
+            attention(q, k, v, details=used, **kw)
         t = _median_time(c, step, args.repeats)
         pairs = int(balancing.row_work(n, causal=True, window=extra.get("window"),
                                        segment_ids=extra.get("segment_ids")).sum())
         results[name] = (t, pairs)
         emit({"part": "single", "case": name, "N": n, "time_s": t, "visible_pairs": pairs,
-              "tiles": clock.tiles, "backward": args.backward, "block": args.block})
+              "tiles": clock.tiles, "backward": args.backward, "block": args.block, "strategy": used["strategy"]})
     t_c, p_c = results["causal"]
     names = list(cases)
     t_w, _ = results[names[1]]
@@ -147,9 +150,9 @@ def balance_part(args: argparse.Namespace, emit) -> None:
     for name, layout in layouts.items():
         q, k, v, _ = _inputs(n, layout)
         ids = shard(seg, axis=-1, layout=layout)
-        kw = dict(causal=True, segment_ids=ids, layout=layout, engine="native", strategy="ring",
-                  block_size=args.block)
-        attention(q, k, v, **kw)  # warm-up
+        kw = dict(causal=True, segment_ids=ids, layout=layout, engine=NativeEngine.name, block_size=args.block)
+        used: dict = {}
+        attention(q, k, v, details=used, **kw)  # warm-up
         per_call = []
         tiles = 0
         for _ in range(args.repeats):
@@ -162,7 +165,7 @@ def balance_part(args: argparse.Namespace, emit) -> None:
         every = c.allgather_obj((mine, tiles))
         work = balancing.rank_work(layout, n, P, causal=True, segment_ids=seg)
         secs = [e[0] for e in every]
-        emit({"part": "balance", "layout": name, "N": n, "P": P, "compute_s": secs,
+        emit({"part": "balance", "layout": name, "strategy": used["strategy"], "N": n, "P": P, "compute_s": secs,
               "spread": max(secs) / max(min(secs), 1e-12) - 1, "tiles": [e[1] for e in every],
               "visible_pairs": work.tolist(), "pairs_max_over_mean": float(work.max() / work.mean()),
               "ranges": None if isinstance(layout, str) else [len(r) for r in layout.ranges]})
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=32768, help="sequence length (default 32768)")
     ap.add_argument("--mean-doc", type=int, default=2048, help="mean document length (default 2048)")
     ap.add_argument("--window", type=int, nargs=2, default=(1024, 0), metavar=("LEFT", "RIGHT"))
-    ap.add_argument("--block", type=int, default=512, help="ring block and tile rows (default 512)")
+    ap.add_argument("--block", type=int, default=DEFAULT_TILE,
+                    help=f"exchanged block and tile rows (default {DEFAULT_TILE})")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per case (median; default 3)")
     ap.add_argument("--backward", action="store_true", help="single: time forward + backward")
     ap.add_argument("--json", default=None, help="append the records to this JSON-lines file")

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from .derive import impl_label
-from .tasks import SINGLE_PROCESS
+from .tasks import PEERS
 
 __all__ = ["plot_all"]
 
@@ -128,7 +128,7 @@ def _plot_memory(plt: Any, recs: list[dict], outdir: str, tag: str) -> list[str]
         ax_a.plot(Ns, [max(r["peak_bytes"] - r.get("baseline_bytes", 0), 1) / MiB for r in rs],
                   _STYLE.get(pass_, "-"), marker="o", color=line.get_color(), label=_label(impl, P, pass_))
     Ns = sorted({r["N"] for r in mem})
-    Ps = sorted({r["P"] for r in mem if r["impl"] not in SINGLE_PROCESS})
+    Ps = sorted({r["P"] for r in mem if r["impl"] not in PEERS})
     words = (8 if mem[0]["dtype"] == "float64" else 4) * mem[0]["B"] * mem[0]["H"]
     for P in Ps:
         ax_a.plot(Ns, [words * N * N / P / MiB for N in Ns], ":", color="gray", lw=0.9)
@@ -187,7 +187,7 @@ def _plot_memory_curve(plt: Any, records: list[dict], outdir: str) -> list[str]:
     ax.plot(Ps, [r["N_estimate"] for r in mc], ls="--", marker="x", label="largest N by the memory model")
     ax.plot(Ps, [mc[0]["N_verified"] * P / Ps[0] for P in Ps], ":", color="gray", label="linear in P")
     ax.set(xlabel="ranks P", ylabel="sequence length N",
-           title=f"largest N within {mc[0]['cap_bytes'] / MiB:.0f} MiB per rank (ring, "
+           title=f"largest N within {mc[0]['cap_bytes'] / MiB:.0f} MiB per rank ({mc[0].get('impl', 'mpiattn')}, "
                  f"{'fwd+bwd' if mc[0].get('pass_') == 'fwdbwd' else 'fwd'})")
     ax.set_xticks(Ps)
     ax.grid(True, alpha=0.3)

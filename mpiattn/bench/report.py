@@ -19,22 +19,24 @@ import math
 import sys
 from typing import Any, Callable, Iterable
 
+from ..kernels import DEFAULT_TILE
 from .derive import SHAPE_KEYS, derive, impl_label
-from .tasks import OLD_NAMES
+from .tasks import DENSE
 
 __all__ = ["load", "upgrade", "format_table", "main"]
 
 MiB = 2**20
+#: The dense peer's name in earlier releases.
+_OLD_DENSE = "reference"
 _CASE = ("workload", "impl", "engine", "pass", "op", "N", "P", "measured_with") + SHAPE_KEYS
 
 
 def upgrade(r: dict) -> dict:
     """A saved record in today's names (``impl`` ``reference`` -> ``dense``), in place."""
-    if r.get("impl") in OLD_NAMES:
-        r["impl"] = OLD_NAMES[r["impl"]]
-    if isinstance(r.get("measured_with"), str):
-        head, _, rest = r["measured_with"].partition(" ")
-        r["measured_with"] = " ".join(filter(None, (OLD_NAMES.get(head, head), rest)))
+    if r.get("impl") == _OLD_DENSE:
+        r["impl"] = DENSE
+    if isinstance(r.get("measured_with"), str) and r["measured_with"].startswith(_OLD_DENSE + " "):
+        r["measured_with"] = DENSE + r["measured_with"][len(_OLD_DENSE):]
     return r
 
 
@@ -98,7 +100,7 @@ def _attention_lines(records: list[dict]) -> list[str]:
     for key, rs in groups.items():
         s = dict(zip(SHAPE_KEYS, key))
         lines += ["", f"attention  {s['dtype']}  B={s['B']} H={s['H']} Hkv={s['Hkv']} E={s['E']} Ev={s['Ev']}  "
-                      f"{'causal' if s['causal'] else 'non-causal'}  {s['layout']}  block={s['block'] or 512}  "
+                      f"{'causal' if s['causal'] else 'non-causal'}  {s['layout']}  block={s['block'] or DEFAULT_TILE}  "
                       f"{s['device'] or 'cpu'}"]
         rows = []
         for r in sorted(rs, key=lambda r: (r["N"], r["P"], r["impl"], str(r.get("engine")), r.get("pass", ""))):
