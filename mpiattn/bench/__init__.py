@@ -1,15 +1,15 @@
 """The benchmark application of mpiattn (like ``mpi4py.bench``): ``python -m mpiattn bench``.
 
-Modules, bottom to top (the timer is the package's, :class:`mpiattn.timing.Timer`;
-strategies, engines, their cost and memory models and the dense reference
-come from the library's registries):
+Modules, bottom to top (the library provides the rest: the strategies, the
+engines, their cost and memory models and the dense reference from its
+registries, the timer :class:`mpiattn.timing.Timer`, the inputs
+:mod:`mpiattn.io.datagen`):
 
 ``tasks``
     :class:`~.tasks.Task` (one case) and :class:`~.tasks.Settings` (one
     job), their JSON form, the call's spec, the nominal FLOPs;
-``memory``, ``environment``, ``inputs``
-    peak memory and the library's models of it; the machine; each rank's
-    random inputs;
+``memory``, ``environment``
+    peak memory and the library's models of it; the machine;
 ``ceilings``, ``workloads``, ``products``
     the GEMM ceilings; attention (mpiattn's strategies and engines, the
     single-process ``dense`` and ``torch`` peers); the products suite;

@@ -23,7 +23,7 @@ import numpy as np
 from .. import backend
 from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_nbytes
-from ..layouts import local_length
+from ..layouts import local_length, local_lengths
 from ..strategies import registry
 from ..strategies.base import Strategy
 from .tasks import DENSE, Task
@@ -45,11 +45,8 @@ def rss_now() -> int:
 
 
 def rss_peak() -> int:
-    """Peak resident set size of this process in bytes (``ru_maxrss``).
-
-    Linux updates its counters in batches, so the current size read just
-    before may exceed ``ru_maxrss`` by a few pages: the larger one is returned.
-    """
+    """Peak resident set size in bytes: ``ru_maxrss``, or the current size where Linux's batched
+    counters have not caught up yet (by a few pages)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return max(int(peak if sys.platform == "darwin" else peak * 1024), rss_now())
 
@@ -57,13 +54,11 @@ def rss_peak() -> int:
 class MemoryMeter:
     """Peak memory of this rank: RSS high-water on CPU, CuPy pool high-water on GPU.
 
-    On GPU the default CuPy allocator is wrapped so that every allocation
-    updates the high-water of the pool's used bytes.
-
     Parameters
     ----------
     xp : module
-        numpy or cupy.
+        numpy, or cupy: then the default allocator is wrapped so that every
+        allocation updates the high-water of the pool's used bytes.
     """
 
     def __init__(self, xp: Any):
@@ -104,10 +99,8 @@ def shard_bytes(t: Task, P: int, rank: int = 0, grads: bool = False) -> int:
 
 
 def plan_call(t: Task, P: int) -> tuple[Strategy, int]:
-    """The strategy the library would run for attention task ``t`` on ``P`` ranks, and its block rows.
-
-    The block is ``t.block`` or the engine's preference for the longest
-    key/value shard (as :func:`mpiattn.attention` picks it).
+    """The strategy :func:`mpiattn.attention` would run for task ``t`` on ``P`` ranks, and its block rows
+    (``t.block``, else the engine's preference for the longest key/value shard).
 
     Raises
     ------
@@ -116,30 +109,17 @@ def plan_call(t: Task, P: int) -> tuple[Strategy, int]:
     """
     spec = t.spec()
     engine = engines.get(engines.AUTO[0] if spec.options.engine == "auto" else spec.options.engine)
-    block = t.block or engine.block_rows(spec, max(local_length(t.M, r, P, t.layout) for r in range(P)))
+    block = t.block or engine.block_rows(spec, max(local_lengths(t.M, P, t.layout)))
     strategy, _ = registry.resolve(spec, P, block)
     return strategy, block
 
 
 def estimate_bytes(t: Task, P: int, pass_: str) -> int:
-    """Estimated peak bytes per rank (inputs included) of attention task ``t`` at ``P`` ranks.
-
-    A peer runs on one process: ``dense`` by
-    :func:`~mpiattn.kernels.reference.dense_nbytes` (all rows at once, in
-    the accumulation dtype), ``torch`` by the memory of the strategy
-    ``auto`` picks at ``P = 1`` (a blocked online softmax, like torch's
-    flash kernels).
-
-    Parameters
-    ----------
-    t : Task
-    P : int
-    pass_ : {"fwd", "fwdbwd"}
-
-    Raises
-    ------
-    ValueError
-        The task's strategy does not support the call.
+    """Estimated peak bytes per rank (inputs included) of attention task ``t`` at ``P`` ranks for
+    ``pass_`` ("fwd" or "fwdbwd"). The peers run on one process: ``dense`` by
+    :func:`~mpiattn.kernels.reference.dense_nbytes` (every row at once, accumulation dtype),
+    ``torch`` as the strategy ``auto`` picks at ``P = 1`` (a blocked online softmax, like torch's
+    flash kernels). Raises ValueError where the task's strategy does not support the call.
     """
     if t.impl == DENSE:
         shapes = ((t.B, t.H, t.N, t.E), (t.B, t.Hkv, t.M, t.E), (t.B, t.Hkv, t.M, t.Ev))

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import backend
 from ..layouts import local_length
-from .inputs import draw
 from .memory import MemoryMeter
 from .tasks import Settings, Task
 from ..timing import Timer
@@ -36,6 +36,11 @@ SHAPES = {
     "tn": lambda n, m, N, M, d: ((m, N), (m, d), (m, N), (m, d)),
 }
 _TAG = 77
+
+
+def draw(xp: Any, rng: np.random.Generator, shape: tuple, dtype: str) -> Any:
+    """Standard normal numbers of ``shape`` in ``dtype``, drawn on the host, in namespace ``xp``."""
+    return backend.to_device(rng.standard_normal(shape, dtype=np.float32).astype(dtype), xp)
 
 
 def product_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMeter) -> list[dict]:

@@ -1,26 +1,12 @@
 """What one benchmark case is: a :class:`Task`, the run's :class:`Settings`, its call and FLOPs.
 
-A :class:`Task` names one workload and its global sizes; the launcher writes
-a list of them, with the :class:`Settings` of the run, to the JSON file a
-worker job (``python -m mpiattn.bench --worker FILE``) reads back
-(:func:`write_job` / :func:`read_job`). Every record a workload returns starts
-from :meth:`Task.to_dict`, so the task's fields are the keys that identify a
-case in the results.
-
-Workloads
----------
-``attention``
-    ``impl`` is a strategy name of :data:`mpiattn.strategies.registry.NAMES`
-    (``auto`` included) or one of the single-process :data:`PEERS`: ``dense``
-    (:func:`mpiattn.kernels.reference.dense_attention`, which materialises the
-    scores) and ``torch`` (``scaled_dot_product_attention``); ``engine`` one
-    of :data:`mpiattn.kernels.engines.NAMES` (``None``: not passed).
-``gemm_square``, ``gemm_tile``
-    GEMM ceilings (:mod:`.ceilings`): a square matmul and attention's tiles.
-``product``, ``overlap``
-    :func:`mpiattn.matmul_nt` / ``nn`` / ``tn``, and one ring step of ``matmul_nt``.
-``baseline``
-    the resident size of a worker before any large input (memory floor).
+A :class:`Task` names one workload and its global sizes; the launcher hands
+a list of them, with the run's :class:`Settings`, to a worker job in a JSON
+file (:func:`write_job` / :func:`read_job`). Every record starts from
+:meth:`Task.to_dict`: the task's fields identify a case in the results.
+Workloads: ``attention`` (a strategy of the registry or a peer), the GEMM
+ceilings ``gemm_square`` and ``gemm_tile``, the products ``product`` and
+``overlap`` (one ring step), and ``baseline`` (a worker's memory floor).
 """
 
 from __future__ import annotations
@@ -62,36 +48,25 @@ WORKLOADS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
 
 @dataclass(frozen=True)
 class Task:
-    """One benchmark case (global sizes; every rank of the job runs it).
+    """One benchmark case in global sizes (every rank of the job runs it).
 
     Parameters
     ----------
     workload : str
         One of :data:`WORKLOADS`.
-    impl : str
-        ``attention``: one of :data:`IMPLS`.
-    engine : str, optional
-        Engine passed to mpiattn (``None``: not passed, the library's default).
+    impl, engine : str, str or None
+        One of :data:`IMPLS`; an engine of :data:`mpiattn.kernels.engines.NAMES` (None: not passed).
     B, H, Hkv, N, M, E, Ev : int
-        Batch, query heads, key/value heads (default ``H``), query and key
-        rows (``M`` default ``N``), head dims (``Ev`` default ``E``): the call
-        is ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M, Ev)``.
-    dtype, causal, layout : str, bool, str
-    block : int, optional
-        ``block_size`` passed to mpiattn (default: the engine's preference).
-    passes : tuple of str
-        Subset of :data:`PASSES`.
-    repeat, warmup : int
-        Timed calls (median) and untimed full-size calls before them.
-    device : {"cpu", "gpu"}
-    check_finite : bool
-        Keep the NaN/Inf check in timed calls.
-    ceilings : bool
-        Measure the GEMM ceilings right after the attention timings.
-    gemm_size : int
-        Edge of the square GEMM ceiling.
-    op, d, rows : str, int, int
-        ``product``/``overlap``: which product, its width, the rows of ``a``.
+        The call ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M, Ev)`` (``Hkv``
+        default ``H``, ``M`` default ``N``, ``Ev`` default ``E``).
+    dtype, causal, layout, block, device : str, bool, str, int or None, str
+        ``block``: the ``block_size`` passed (None: the engine's); ``device``: "cpu" or "gpu".
+    passes, repeat, warmup : tuple of str, int, int
+        The passes timed (of :data:`PASSES`), timed calls (median), untimed full-size calls first.
+    check_finite, ceilings, gemm_size : bool, bool, int
+        Keep the NaN/Inf check; measure the GEMM ceilings right after (square edge ``gemm_size``).
+    op, d, rows : str, int, int or None
+        Products: "nt", "nn" or "tn", the width, the rows of ``a`` (``overlap``).
     tile_key : tuple, optional
         ``gemm_tile``: the key attention records are matched with (:func:`tile_key`).
     plan : str
@@ -184,19 +159,14 @@ class Settings:
 
     Parameters
     ----------
-    seed : int
-        Seed of the random inputs (a generator per rank).
-    device : {"cpu", "gpu"}
-    threads : int
-        BLAS (and torch) threads per rank.
+    seed, device, threads : int, str, int
+        Seed of the inputs (a generator per rank); "cpu" or "gpu"; BLAS (and torch) threads per rank.
     cores : int
         Usable cores of the launching machine (marks oversubscribed records).
     max_memory : int, optional
-        Per-rank byte limit: a case whose estimate exceeds it is skipped.
-    fresh : bool
-        True when the job runs a single case (its memory high-water is its own).
-    timeout : float
-        Seconds the launcher waits for the job.
+        Per-rank bytes: a case whose estimate exceeds it is skipped.
+    fresh, timeout : bool, float
+        The job runs one case (its memory high-water is its own); seconds the launcher waits.
     """
 
     seed: int = 0

@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import backend
+from ..io import datagen
 from ..kernels import engines
 from ..kernels.reference import dense_attention
+from ..layouts import segments
 from ..timing import Measurement, Timer
 from . import ceilings
-from .inputs import local_dout, local_qkv
 from .memory import MemoryMeter, estimate_bytes, plan_call, shard_bytes
 from .tasks import DENSE, PASSES, SDPA, Settings, Task, attention_flops
 
-__all__ = ["Impl", "Unavailable", "implementation", "torch_impl", "attention_task", "baseline_task"]
+__all__ = ["Impl", "Unavailable", "implementation", "torch_impl", "local_rows", "attention_task", "baseline_task"]
 
 MiB = 2**20
 
@@ -150,6 +151,16 @@ def _max(c: Any, value: Any) -> Any:
     return max(c.allgather_obj(value))
 
 
+def local_rows(xp: Any, t: Task, rank: int, P: int, seed: int, *names: str) -> list:
+    """This rank's rows of ``names`` (of ``q``, ``k``, ``v``, ``dout``) of task ``t`` (a peer: all of them),
+    by :mod:`mpiattn.io.datagen` (the same numbers whatever ``P``; no rank draws another's rows)."""
+    spec = datagen.Spec(batch=t.B, heads=t.H, kv_heads=t.Hkv, seq=t.N, kv_seq=t.M, dim=t.E, value_dim=t.Ev,
+                        dtype=t.dtype, with_dout=True, seed=seed)
+    rank, P = (0, 1) if t.single_process else (rank, P)
+    return [backend.to_device(datagen.local_rows(spec, name, segments(t.M if name in "kv" else t.N, rank, P,
+                                                                      t.layout)), xp) for name in names]
+
+
 def _timed_record(timer: Timer, common: dict, pass_: str, m: Measurement, flops: float, sent: float,
                   peak: int, est: int, mem: MemoryMeter, **extra: Any) -> dict:
     c, P = timer.comm, common["P"]
@@ -166,9 +177,9 @@ def _timed_record(timer: Timer, common: dict, pass_: str, m: Measurement, flops:
 def _warm_up(c: Any, xp: Any, t: Task, impl: Impl) -> None:
     """A small problem in the same process first: code paths, BLAS buffers, MPI connections."""
     small = t.replace(N=min(t.N, 256 * c.size), M=min(t.M, 256 * c.size))
-    q, k, v = local_qkv(xp, small, c.rank, c.size, 7)
+    q, k, v, dout = local_rows(xp, small, c.rank, c.size, 7, "q", "k", "v", "dout")
     if "fwdbwd" in t.passes:
-        impl.forward_backward(local_dout(xp, q, small, c.rank, 7), q, k, v)
+        impl.forward_backward(dout, q, k, v)
     else:
         impl.forward(q, k, v)
 
@@ -227,7 +238,7 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
         return [dict(base, **{"pass": p}, status="skipped", reason=over[p], est_bytes=est[p],
                      baseline_bytes=baseline) for p in passes]
 
-    q, k, v = local_qkv(xp, t, rank, P, settings.seed)
+    q, k, v = local_rows(xp, t, rank, P, settings.seed, "q", "k", "v")
     common = dict(base, baseline_bytes=baseline, shard_bytes=_max(c, shard_bytes(t, P, rank)),
                   shard_bytes_grads=_max(c, shard_bytes(t, P, rank, grads=True)), status="ok", **model)
     calls = t.warmup + t.repeat
@@ -241,7 +252,7 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
     if "fwdbwd" in over:
         records.append(dict(common, **{"pass": "fwdbwd"}, status="skipped", reason=over["fwdbwd"]))
     elif "fwdbwd" in passes:
-        dout = local_dout(xp, q, t, rank, settings.seed)
+        (dout,) = local_rows(xp, t, rank, P, settings.seed, "dout")
         sent0 = c.bytes_sent
         if impl.backward is not None:
             res = fwd.result
@@ -270,7 +281,7 @@ def baseline_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMeter
     """Resident size after imports, MPI start-up and a tiny call with ``t.engine`` (the memory floor)."""
     tiny = Task(engine=t.engine, B=t.B, H=t.H, Hkv=t.Hkv, N=64 * c.size, E=t.E, Ev=t.Ev, dtype=t.dtype,
                 layout=t.layout, block=t.block, device=t.device)
-    q, k, v = local_qkv(xp, tiny, c.rank, c.size, 1)
-    _mpiattn_impl(c, tiny).forward_backward(local_dout(xp, q, tiny, c.rank, 1), q, k, v)
+    q, k, v, dout = local_rows(xp, tiny, c.rank, c.size, 1, "q", "k", "v", "dout")
+    _mpiattn_impl(c, tiny).forward_backward(dout, q, k, v)
     return [dict(t.to_dict(), P=c.size, status="ok", baseline_bytes=_max(c, mem.now()),
                  peak_bytes=_max(c, mem.peak()))]
