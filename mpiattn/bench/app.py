@@ -1,32 +1,13 @@
-"""The benchmark application: options, presets, launching, and everything it prints.
+"""The benchmark application: options, presets, launching, and everything ``python -m mpiattn bench`` prints.
 
-``python -m mpiattn bench`` (no arguments) runs a quick sweep (about a
-minute); ``--suite`` picks larger ones (:data:`mpiattn.bench.presets.SUITES`)
-and every option overrides the suite's choice. ``--list`` shows the cases
-with their memory estimates without running anything.
-
-How it runs
------------
-Started as one process, it launches a fresh ``mpiexec -n P python -m
-mpiattn.bench --worker FILE`` job for every case (:mod:`.launcher`), so that
-each case's peak resident memory (``ru_maxrss``) is its own and one command
-can sweep ``P``. Started under ``mpiexec -n P`` (or with ``--in-process``) it
-runs every case of that ``P`` in that job instead (memory high-waters then
-accumulate across cases: marked ``"fresh": false``).
-
-Each case's records are JSON lines (``--json FILE`` appends them as they
-come); the table at the end (:mod:`.report`) adds the fractions of the GEMM
-ceilings and of ideal, strong and weak scaling, the memory curve and the
-targets; ``--plot DIR`` draws PNGs (:mod:`.plot`, needs matplotlib).
-
-Timing rules: one BLAS thread per rank (``--threads``), never more ranks
-than usable cores for timings (larger ``P`` only for the memory curve),
-median of ``--repeat`` (>= 5 for reported numbers) calls after ``--warmup``
-full-size calls and one small warm-up problem (:mod:`.timing`).
-
-This module prints for ``python -m mpiattn bench``; the other entry points,
-``python -m mpiattn.bench.report``, ``.plot`` and ``.gpu``, print in their
-modules' ``main``. Nothing else in the package prints.
+No arguments: a quick sweep (about a minute); ``--suite`` picks another preset
+(:data:`mpiattn.bench.presets.SUITES`) and every option overrides it; ``--list``
+shows the cases with their memory estimates. Started as one process it
+launches a fresh ``mpiexec -n P`` job per case (:mod:`.launcher`), so each
+case's peak memory is its own; under ``mpiexec`` (or ``--in-process``) it
+runs the cases of that ``P`` in its own job (``"fresh": false``). Records are
+JSON lines (``--json FILE``); the table (:mod:`.report`) and the plots
+(``--plot DIR``, :mod:`.plot`) follow. How it measures: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
