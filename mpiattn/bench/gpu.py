@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -102,22 +102,35 @@ def fused_step(timer: Timer, H: int, block: int, dtype: str = "float32") -> dict
     return rec
 
 
+def _numbers(r: Mapping[str, Any], P: int) -> float:
+    """Input numbers (q, k, v, dout) one of ``P`` ranks draws for an attention task or record ``r``."""
+    return r["B"] * (r["H"] * r["N"] + r["Hkv"] * r["M"]) * (r["E"] + r["Ev"]) / P
+
+
 class _Budget:
-    """Admits a case while its estimated time fits what is left (rank 0 decides for every rank)."""
+    """Admits a case while its estimated time fits what is left (rank 0 decides for every rank).
+
+    The estimate: the last forward's seconds per FLOP for the dtype (the
+    forward, the backward at about 3.5 times, every timed call and one more),
+    the inputs' seconds per number drawn, and :data:`_OVERHEAD_S`.
+    """
 
     def __init__(self, c: Any, seconds: float):
         self.c, self.end = c, time.perf_counter() + seconds
         self.rate: dict[str, float] = {}  # seconds per forward FLOP per rank, by dtype
+        self.inputs = 0.0                 # seconds per input number
 
     def learn(self, records: list[dict]) -> None:
         for r in records:
-            if r.get("workload") == "attention" and r.get("pass") == "fwd" and r.get("status") == "ok" \
-                    and r["impl"] not in PEERS:
-                self.rate[r["dtype"]] = r["time_s"] * r["P"] / r["flops"]
+            if r.get("workload") == "attention" and r.get("pass") == "fwd" and r.get("status") == "ok":
+                self.inputs = max(self.inputs, r["inputs_s"] / _numbers(r, r["P"]))
+                if r["impl"] not in PEERS:
+                    self.rate[r["dtype"]] = r["time_s"] * r["P"] / r["flops"]
 
     def __call__(self, t: Task) -> str | None:
         left = self.end - time.perf_counter()
-        need = self.rate.get(t.dtype, 0.0) * attention_flops(t, "fwd") / self.c.size * 4.5 * (t.repeat + 1)
+        need = (self.rate.get(t.dtype, 0.0) * attention_flops(t, "fwd") / self.c.size * 4.5 * (t.repeat + 1)
+                + self.inputs * _numbers(t.to_dict(), 1 if t.single_process else self.c.size))
         why = None if left > need + _OVERHEAD_S else f"budget: {left:.0f} s left, about {need:.0f} s needed"
         return self.c.bcast_obj(why)
 

@@ -18,12 +18,14 @@ Implementations of an ``attention`` :class:`~mpiattn.bench.tasks.Task`:
 repeat and the median, wall and CPU), nominal FLOPs, bytes sent per rank
 (:attr:`mpiattn.comm.Comm.bytes_sent` before and after) beside the
 strategy's cost model, peak memory beside its memory model, what the
-library chose, and optionally the GEMM ceilings.
+library chose, the seconds spent making the inputs (``inputs_s``), and
+optionally the GEMM ceilings.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -238,7 +240,9 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
         return [dict(base, **{"pass": p}, status="skipped", reason=over[p], est_bytes=est[p],
                      baseline_bytes=baseline) for p in passes]
 
+    t0 = time.perf_counter()
     q, k, v = local_rows(xp, t, rank, P, settings.seed, "q", "k", "v")
+    inputs_s = time.perf_counter() - t0
     common = dict(base, baseline_bytes=baseline, shard_bytes=_max(c, shard_bytes(t, P, rank)),
                   shard_bytes_grads=_max(c, shard_bytes(t, P, rank, grads=True)), status="ok", **model)
     calls = t.warmup + t.repeat
@@ -252,7 +256,9 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
     if "fwdbwd" in over:
         records.append(dict(common, **{"pass": "fwdbwd"}, status="skipped", reason=over["fwdbwd"]))
     elif "fwdbwd" in passes:
+        t0 = time.perf_counter()
         (dout,) = local_rows(xp, t, rank, P, settings.seed, "dout")
+        inputs_s += time.perf_counter() - t0
         sent0 = c.bytes_sent
         if impl.backward is not None:
             res = fwd.result
@@ -270,8 +276,9 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
     q = k = v = fwd.result = None  # the inputs are freed before the ceilings run
     used = {f"{key}_used": value for key, value in (impl.used or {}).items()
             if key in ("strategy", "engine", "block_size")}
+    inputs_s = _max(c, inputs_s)
     for r in records:
-        r.update(used)
+        r.update(used, inputs_s=inputs_s)
     if t.ceilings:
         records += ceilings.attach(timer, t, records)
     return records
