@@ -27,7 +27,7 @@ import types
 
 from .tasks import PEERS, SDPA, tile_key
 
-__all__ = ["derive", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "IDEAL_N", "GEMM_GOALS", "impl_label"]
+__all__ = ["derive", "timed", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "IDEAL_N", "GEMM_GOALS", "impl_label"]
 
 MiB = 2**20
 #: Problem of the speed targets: N = 32k, B = H = 1, E = Ev = 64, float32, not causal.
@@ -58,7 +58,8 @@ def _ok(r: dict) -> bool:
     return r.get("status") == "ok"
 
 
-def _timed(r: dict) -> bool:
+def timed(r: dict) -> bool:
+    """An attention record with a time (measured, status ok)."""
     return _ok(r) and r.get("workload") == "attention" and "time_s" in r
 
 
@@ -75,7 +76,7 @@ def _fractions_of_ceilings(records: list[dict]) -> None:
             if r.get(fld):
                 best[key + (clock,)] = max(best.get(key + (clock,), 0.0), r[fld])
     for r in records:
-        if not _timed(r):
+        if not timed(r):
             continue
         keys = {"square": ("square", r["P"], r["dtype"], r.get("device", "cpu")),
                 "tile": ("tile", tuple(tile_key(r, r["P"])), r["pass"])}
@@ -90,12 +91,12 @@ def _fractions_of_ceilings(records: list[dict]) -> None:
 def _fractions_of_ideal(records: list[dict]) -> None:
     best: dict[tuple, dict] = {}
     for r in records:
-        if _timed(r) and r["P"] == 1 and not r.get("oversubscribed"):
+        if timed(r) and r["P"] == 1 and not r.get("oversubscribed"):
             key = (r.get("run"),) + tuple(r.get(k) for k in _PROBLEM)
             if key not in best or r["time_s"] < best[key]["time_s"]:
                 best[key] = r
     for r in records:
-        if not _timed(r):
+        if not timed(r):
             continue
         b = best.get((r.get("run"),) + tuple(r.get(k) for k in _PROBLEM))
         if b is None:
@@ -134,7 +135,7 @@ def _scaling(records: list[dict]) -> list[dict]:
     out = []
     by_group: dict[tuple, dict[tuple[int, int], dict]] = {}
     for r in records:
-        if _timed(r) and not r.get("oversubscribed") and r["impl"] not in PEERS:
+        if timed(r) and not r.get("oversubscribed") and r["impl"] not in PEERS:
             key = (r["impl"], r.get("engine"), r["pass"]) + tuple(r.get(k) for k in SHAPE_KEYS)
             by_group.setdefault(key, {})[(r["N"], r["P"])] = r
     for key, runs in by_group.items():
@@ -173,7 +174,7 @@ def _target_runs(records: list[dict]) -> dict[tuple, dict]:
     """Timed records of the targets' problem (B = H = 1, E = Ev = 64, float32, N = M), the last of each case."""
     out = {}
     for r in records:
-        if (_timed(r) and not r.get("oversubscribed") and r["N"] == r["M"] and r["B"] == r["H"] == r["Hkv"] == 1
+        if (timed(r) and not r.get("oversubscribed") and r["N"] == r["M"] and r["B"] == r["H"] == r["Hkv"] == 1
                 and r["E"] == r["Ev"] == 64 and r["dtype"] == "float32"):
             out[(r["impl"], r.get("engine"), r["pass"], r["P"], r["N"], bool(r["causal"]))] = r
     return out

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from typing import Any
 
-from .derive import impl_label
+from .derive import SHAPE_KEYS, impl_label, timed
 from .tasks import PEERS
 
 __all__ = ["plot_all"]
 
 MiB = 2**20
-_STYLE = {"fwd": "-", "fwdbwd": "--"}
+_STYLE = types.MappingProxyType({"fwd": "-", "fwdbwd": "--"})
 
 
 def _pyplot() -> Any:
@@ -32,11 +33,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _timed(records: list[dict]) -> list[dict]:
-    return [r for r in records if r.get("workload") == "attention" and r.get("status") == "ok" and "time_s" in r
-            and not r.get("oversubscribed")]
 
 
 def _series(records: list[dict], key: Any) -> dict[tuple, list[dict]]:
@@ -64,14 +60,6 @@ def _save(fig: Any, outdir: str, name: str) -> str:
 def _title(r: dict) -> str:
     return (f"B={r['B']} H={r['H']} Hkv={r['Hkv']} E={r['E']} {r['dtype']} "
             f"{'causal' if r['causal'] else 'non-causal'}")
-
-
-def _shape_groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    keys = ("B", "H", "Hkv", "E", "Ev", "dtype", "causal", "layout", "block", "device")
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
-    return groups
 
 
 def _points(rs: list[dict], field: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
@@ -207,7 +195,10 @@ def plot_all(records: list[dict], outdir: str) -> list[str]:
     plt = _pyplot()
     os.makedirs(outdir, exist_ok=True)
     written = []
-    groups = _shape_groups(_timed(records))
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if timed(r) and not r.get("oversubscribed"):
+            groups.setdefault(tuple(r.get(k) for k in SHAPE_KEYS), []).append(r)
     for i, recs in enumerate(sorted(groups.values(), key=lambda g: -len(g))):
         tag = "" if i == 0 else f"_{recs[0]['dtype']}_H{recs[0]['H']}{'_causal' if recs[0]['causal'] else ''}"
         if len({r["N"] for r in recs}) < 2 and i > 0:
