@@ -26,10 +26,11 @@ from . import report
 from ..comm.node import usable_cores
 from .environment import available_memory, wait_idle
 from .memory import estimate_bytes
-from .presets import K, MiB, SUITES, build_tasks, plans_for
-from .tasks import PASSES, PEERS, Settings, Task
+from .presets import K, SUITES, build_tasks, plans_for
+from .tasks import PASSES, PEERS, MiB, Settings, Task
 
-__all__ = ["add_arguments", "run", "main", "parse_count", "parse_size", "list_of", "positive", "choices", "engine_name"]
+__all__ = ["add_arguments", "run", "main", "parse_count", "parse_size", "list_of", "positive", "choices",
+           "engine_name"]
 
 
 # ----------------------------------------------------------------- argument types

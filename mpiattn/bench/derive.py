@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import types
 
-from .tasks import PEERS, SDPA, tile_key
+from .tasks import PEERS, SDPA, MiB, tile_key
 
-__all__ = ["derive", "timed", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "IDEAL_N", "GEMM_GOALS", "impl_label"]
+__all__ = ["derive", "timed", "impl_label", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "IDEAL_N", "GEMM_GOALS"]
 
-MiB = 2**20
 #: Problem of the speed targets: N = 32k, B = H = 1, E = Ev = 64, float32, not causal.
 TARGET_N = 32768
 #: Sequence length of the memory target.

@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 from ..comm.node import usable_cores
 from .memory import estimate_bytes
-from .presets import MiB, Plan
-from .tasks import Settings, Task, write_job
+from .presets import Plan
+from .tasks import MiB, Settings, Task, write_job
 
 __all__ = ["launcher", "worker_env", "spawn", "largest_n", "memory_curve"]
 

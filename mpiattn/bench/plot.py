@@ -18,11 +18,10 @@ import types
 from typing import Any
 
 from .derive import SHAPE_KEYS, impl_label, timed
-from .tasks import PEERS
+from .tasks import PEERS, MiB
 
 __all__ = ["plot_all"]
 
-MiB = 2**20
 _STYLE = types.MappingProxyType({"fwd": "-", "fwdbwd": "--"})
 
 

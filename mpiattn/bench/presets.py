@@ -15,12 +15,11 @@ from typing import Any, Mapping
 
 from ..kernels import engines
 from ..strategies import registry
-from .tasks import DENSE, PEERS, SDPA, Task
+from .tasks import DENSE, PEERS, SDPA, MiB, Task
 
-__all__ = ["K", "MiB", "Plan", "SUITES", "WARMUP_FULL_MAX_N", "plans_for", "build_tasks"]
+__all__ = ["K", "Plan", "SUITES", "WARMUP_FULL_MAX_N", "plans_for", "build_tasks"]
 
 K = 1024
-MiB = 2**20
 #: With ``warmup=None``: one full-size warm-up call up to this N, none above (a call then lasts
 #: seconds, and the small warm-up problem has already run in the same process).
 WARMUP_FULL_MAX_N = 16 * K

@@ -17,6 +17,7 @@ hidden, 0: not at all). Both use the bench's one harness,
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -30,11 +31,11 @@ from ..timing import Timer
 __all__ = ["SHAPES", "product_task", "overlap_task"]
 
 #: op -> (shape of a, of b, of x, of y) for the distributed call (a, b) and the local one (x, y).
-SHAPES = {
+SHAPES = types.MappingProxyType({
     "nt": lambda n, m, N, M, d: ((n, d), (m, d), (n, d), (d, M)),
     "nn": lambda n, m, N, M, d: ((n, M), (m, d), (n, M), (M, d)),
     "tn": lambda n, m, N, M, d: ((m, N), (m, d), (m, N), (m, d)),
-}
+})
 _TAG = 77
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ..kernels import DEFAULT_TILE
 from .derive import SHAPE_KEYS, derive, impl_label
-from .tasks import DENSE
+from .tasks import DENSE, MiB
 
 __all__ = ["load", "upgrade", "format_table", "main"]
 
-MiB = 2**20
 #: The dense peer's name in earlier releases.
 _OLD_DENSE = "reference"
 _CASE = ("workload", "impl", "engine", "pass", "op", "N", "P", "measured_with") + SHAPE_KEYS
@@ -79,7 +78,7 @@ def _cell(r: dict, col: Column) -> str:
     return format(x, spec).rjust(width)
 
 
-def _table(title: str, records: list[dict], columns: list[Column], key: Callable[[dict], Any],
+def _table(title: str, records: list[dict], columns: Sequence[Column], key: Callable[[dict], Any],
            head: int = 0) -> list[str]:
     """``title`` and the rows of ``records`` sorted by ``key``; a record not ok: its first ``head``
     columns, then its status and reason."""
@@ -108,7 +107,7 @@ def _pct(field: str) -> Callable[[dict], Any]:
     return lambda r: 100 * r[field] if field in r else None
 
 
-_ATTENTION: list[Column] = [
+_ATTENTION: tuple[Column, ...] = (
     ("impl", 18, impl_label, "<"), ("pass", 6, lambda r: r.get("pass", ""), "<"), ("P", 2, lambda r: r["P"], "d"),
     ("N", 7, lambda r: r["N"], "d"), ("time s", 8, lambda r: r["time_s"], ".3f"),
     ("cpu s", 8, lambda r: r.get("time_cpu_s"), ".3f"), ("GF/s/rk", 8, lambda r: r["gflops_per_rank"], ".1f"),
@@ -118,7 +117,7 @@ _ATTENTION: list[Column] = [
     ("peak MiB/rk", 11, _mib("peak_bytes"), ".0f"), ("base", 5, _mib("baseline_bytes"), ".0f"),
     ("est", 6, lambda r: (r["baseline_bytes"] + r["est_bytes"]) / MiB if r.get("baseline_bytes")
      and r.get("est_bytes") else None, ".0f"),
-    ("", 0, lambda r: "(oversubscribed)" if r.get("oversubscribed") else "", "<")]
+    ("", 0, lambda r: "(oversubscribed)" if r.get("oversubscribed") else "", "<"))
 
 
 def _attention_lines(records: list[dict]) -> list[str]:

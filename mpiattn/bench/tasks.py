@@ -21,8 +21,10 @@ from ..kernels import DEFAULT_TILE, engines
 from ..strategies import registry
 from ..strategies.spec import AttentionSpec, Options
 
-__all__ = ["Task", "Settings", "DENSE", "SDPA", "PEERS", "IMPLS", "PASSES", "WORKLOADS", "visible_pairs", "attention_flops",
-           "tile_key", "write_job", "read_job"]
+__all__ = ["Task", "Settings", "DENSE", "SDPA", "PEERS", "IMPLS", "PASSES", "WORKLOADS", "MiB", "visible_pairs",
+           "attention_flops", "tile_key", "write_job", "read_job"]
+
+MiB = 2**20
 
 #: The single-process peers (they compute the whole problem in one process, at P = 1 only):
 #: the library's dense reference, and torch's ``scaled_dot_product_attention``.

@@ -37,11 +37,10 @@ from ..layouts import segments
 from ..timing import Measurement, Timer
 from . import ceilings
 from .memory import MemoryMeter, estimate_bytes, plan_call, shard_bytes
-from .tasks import DENSE, PASSES, SDPA, Settings, Task, attention_flops
+from .tasks import DENSE, PASSES, SDPA, MiB, Settings, Task, attention_flops
 
-__all__ = ["Impl", "Unavailable", "implementation", "torch_impl", "local_rows", "attention_task", "baseline_task"]
-
-MiB = 2**20
+__all__ = ["Impl", "Unavailable", "implementation", "torch_impl", "local_rows", "attention_task",
+           "baseline_task"]
 
 
 class Unavailable(Exception):
