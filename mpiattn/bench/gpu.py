@@ -162,6 +162,7 @@ def run_suite(opts: Options, log: Log = lambda msg: None) -> int:
         elif r["workload"] == "fused":
             log(f"fused kernels: {r}")
         else:
+            timer.xp.get_default_memory_pool().free_all_blocks()  # (the torch peer allocates apart)
             engine = f"/{r['engine']}" if r.get("engine") else ""
             log(f"{r['impl']}{engine} N={r['N']} E={r['E']} {r['dtype']}: {summary(records)}")
 

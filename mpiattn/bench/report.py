@@ -84,8 +84,8 @@ def _table(title: str, records: list[dict], columns: Sequence[Column], key: Call
     columns, then its status and reason."""
     if not records:
         return []
-    lines = ["", title, "  ".join(h.ljust(w) if s == "<" else h.rjust(w) for h, w, _, s in columns),
-             "  ".join("-" * w for _, w, _, _ in columns)]
+    lines = ["", title, "  ".join(h.ljust(w) if s == "<" else h.rjust(w) for h, w, _, s in columns).rstrip(),
+             "  ".join("-" * w for _, w, _, _ in columns).rstrip()]
     for r in sorted(records, key=key):
         if _ok(r) or not head:
             lines.append("  ".join(_cell(r, col) for col in columns).rstrip())
@@ -108,7 +108,7 @@ def _pct(field: str) -> Callable[[dict], Any]:
 
 
 _ATTENTION: tuple[Column, ...] = (
-    ("impl", 18, impl_label, "<"), ("pass", 6, lambda r: r.get("pass", ""), "<"), ("P", 2, lambda r: r["P"], "d"),
+    ("impl", 20, impl_label, "<"), ("pass", 6, lambda r: r.get("pass", ""), "<"), ("P", 2, lambda r: r["P"], "d"),
     ("N", 7, lambda r: r["N"], "d"), ("time s", 8, lambda r: r["time_s"], ".3f"),
     ("cpu s", 8, lambda r: r.get("time_cpu_s"), ".3f"), ("GF/s/rk", 8, lambda r: r["gflops_per_rank"], ".1f"),
     ("%sq", 5, _pct("frac_gemm_square"), ".0f"), ("%tile", 5, _pct("frac_gemm_tile"), ".0f"),
@@ -188,7 +188,7 @@ def _overlap_lines(records: list[dict]) -> list[str]:
 def _scaling_lines(records: list[dict]) -> list[str]:
     return _table("scaling (strong: same N; weak: N proportional to P, efficiency = per-rank GFLOP/s vs 1 rank)",
                   _of(records, "scaling"),
-                  [("kind", 6, lambda r: r["kind"], "<"), ("impl", 18, impl_label, "<"),
+                  [("kind", 6, lambda r: r["kind"], "<"), ("impl", 20, impl_label, "<"),
                    ("pass", 6, lambda r: r["pass"], "<"), ("N", 7, lambda r: r["N"], "d"),
                    ("P", 2, lambda r: r["P"], "d"), ("t1 s", 8, lambda r: r["time_1_s"], ".3f"),
                    ("tP s", 8, lambda r: r["time_P_s"], ".3f"), ("speedup", 7, lambda r: r.get("speedup"), ".2f"),
