@@ -1,15 +1,15 @@
 """The benchmark application of mpiattn (like ``mpi4py.bench``): ``python -m mpiattn bench``.
 
-Modules, bottom to top:
+Modules, bottom to top (the library provides the rest: the strategies, the
+engines, their cost and memory models and the dense reference from its
+registries, the timer :class:`mpiattn.timing.Timer`, the inputs
+:mod:`mpiattn.io.datagen`):
 
 ``tasks``
     :class:`~.tasks.Task` (one case) and :class:`~.tasks.Settings` (one
-    job), their JSON form, the nominal FLOPs;
-``timing``
-    the one timing harness, :class:`~.timing.Timer` (barrier-delimited,
-    device-synchronised, wall and CPU time; no module state);
-``memory``, ``environment``, ``inputs``
-    peak memory and its model; the machine; each rank's random inputs;
+    job), their JSON form, the call's spec, the nominal FLOPs;
+``memory``, ``environment``
+    peak memory and the library's models of it; the machine;
 ``ceilings``, ``workloads``, ``products``
     the GEMM ceilings; attention (mpiattn's strategies and engines, the
     single-process ``dense`` and ``torch`` peers); the products suite;
@@ -21,13 +21,14 @@ Modules, bottom to top:
 ``derive``, ``report``, ``plot``
     derived numbers (ceiling fractions, fraction of ideal, scaling,
     targets), the table, the PNGs;
-``gpu``
-    the GPU suite (``python -m mpiattn.bench.gpu``);
+``gpu``, ``masks``
+    the GPU suite (``python -m mpiattn.bench.gpu``) and the masks suite
+    (``python -m mpiattn.bench.masks``);
 ``app``
     the options, the launch loop and everything ``python -m mpiattn bench``
-    prints. Besides it only the ``main`` entry points of ``report``, ``plot``
-    and ``gpu`` print; the modules below hand back records and take a ``log``
-    callback.
+    prints. Besides it only the ``main`` entry points of ``report``, ``plot``,
+    ``gpu`` and ``masks`` print; the modules below hand back records and
+    take a ``log`` callback.
 
 The CLI imports this package only for its ``bench`` command and calls
 :func:`add_arguments` and :func:`run`; importing it imports none of

@@ -1,32 +1,13 @@
-"""The benchmark application: options, presets, launching, and everything it prints.
+"""The benchmark application: options, presets, launching, and everything ``python -m mpiattn bench`` prints.
 
-``python -m mpiattn bench`` (no arguments) runs a quick sweep (about a
-minute); ``--suite`` picks larger ones (:data:`mpiattn.bench.presets.SUITES`)
-and every option overrides the suite's choice. ``--list`` shows the cases
-with their memory estimates without running anything.
-
-How it runs
------------
-Started as one process, it launches a fresh ``mpiexec -n P python -m
-mpiattn.bench --worker FILE`` job for every case (:mod:`.launcher`), so that
-each case's peak resident memory (``ru_maxrss``) is its own and one command
-can sweep ``P``. Started under ``mpiexec -n P`` (or with ``--in-process``) it
-runs every case of that ``P`` in that job instead (memory high-waters then
-accumulate across cases: marked ``"fresh": false``).
-
-Each case's records are JSON lines (``--json FILE`` appends them as they
-come); the table at the end (:mod:`.report`) adds the fractions of the GEMM
-ceilings and of ideal, strong and weak scaling, the memory curve and the
-targets; ``--plot DIR`` draws PNGs (:mod:`.plot`, needs matplotlib).
-
-Timing rules: one BLAS thread per rank (``--threads``), never more ranks
-than usable cores for timings (larger ``P`` only for the memory curve),
-median of ``--repeat`` (>= 5 for reported numbers) calls after ``--warmup``
-full-size calls and one small warm-up problem (:mod:`.timing`).
-
-This module prints for ``python -m mpiattn bench``; the other entry points,
-``python -m mpiattn.bench.report``, ``.plot`` and ``.gpu``, print in their
-modules' ``main``. Nothing else in the package prints.
+No arguments: a quick sweep (about a minute); ``--suite`` picks another preset
+(:data:`mpiattn.bench.presets.SUITES`) and every option overrides it; ``--list``
+shows the cases with their memory estimates. Started as one process it
+launches a fresh ``mpiexec -n P`` job per case (:mod:`.launcher`), so each
+case's peak memory is its own; under ``mpiexec`` (or ``--in-process``) it
+runs the cases of that ``P`` in its own job (``"fresh": false``). Records are
+JSON lines (``--json FILE``); the table (:mod:`.report`) and the plots
+(``--plot DIR``, :mod:`.plot`) follow. How it measures: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -39,13 +20,17 @@ import sys
 import time
 from typing import Any
 
+from ..kernels import engines
+from ..strategies import registry
 from . import report
-from .environment import available_memory, local_size, usable_cores, wait_idle
+from ..comm.node import usable_cores
+from .environment import available_memory, wait_idle
 from .memory import estimate_bytes
-from .presets import K, MiB, SUITES, build_tasks, plans_for
-from .tasks import ENGINES, OLD_NAMES, PASSES, STRATEGY_IMPLS, Settings, Task
+from .presets import K, SUITES, build_tasks, plans_for
+from .tasks import PASSES, PEERS, MiB, Settings, Task
 
-__all__ = ["add_arguments", "run", "main", "parse_count", "parse_size", "list_of", "positive", "choices", "engine_name"]
+__all__ = ["add_arguments", "run", "main", "parse_count", "parse_size", "list_of", "positive", "choices",
+           "engine_name"]
 
 
 # ----------------------------------------------------------------- argument types
@@ -89,10 +74,9 @@ def positive(text: str) -> int:
     return v
 
 
-def choices(allowed: tuple[str, ...], aliases: dict[str, str] | None = None) -> Any:
-    """A converter accepting one of ``allowed`` (``aliases``: old names mapped first)."""
+def choices(allowed: tuple[str, ...]) -> Any:
+    """A converter accepting one of ``allowed``."""
     def conv(x: str) -> str:
-        x = (aliases or {}).get(x, x)
         if x not in allowed:
             raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(allowed)}")
         return x
@@ -100,8 +84,8 @@ def choices(allowed: tuple[str, ...], aliases: dict[str, str] | None = None) -> 
 
 
 def engine_name(x: str) -> str | None:
-    """An engine name; ``default`` = do not pass ``engine=`` (the library's default)."""
-    return None if x == "default" else choices(ENGINES)(x)
+    """An engine name of the registry; ``default`` = do not pass ``engine=`` (the library's default)."""
+    return None if x == "default" else choices(engines.NAMES)(x)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,12 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="global sequence lengths N = M (4k = 4096)")
     g.add_argument("--ranks", type=list_of(positive), metavar="P[,P..]",
                    help="rank counts to launch (timings only up to the number of usable cores)")
-    g.add_argument("--impl", type=list_of(choices(STRATEGY_IMPLS)), metavar="S[,S..]",
-                   help="mpiattn strategies to time")
+    g.add_argument("--impl", type=list_of(choices(registry.NAMES)), metavar="S[,S..]",
+                   help=f"mpiattn strategies to time: {', '.join(registry.NAMES)} (default auto)")
     g.add_argument("--engines", type=list_of(engine_name), metavar="E[,E..]",
-                   help="local engines for ring/allgather/ulysses/auto, side by side: native, torch, auto, or "
-                        "default (engine= not passed; the default)")
-    g.add_argument("--peers", type=list_of(choices(("gemm", "dense", "torch", "none"), OLD_NAMES)),
+                   help=f"engines, side by side: {', '.join(engines.NAMES)}, or default (engine= not passed)")
+    g.add_argument("--peers", type=list_of(choices(("gemm", *PEERS, "none"))),
                    metavar="X[,X..]", help="side by side: gemm (ceilings), dense (materialising, 1 process), "
                                            "torch (scaled_dot_product_attention, 1 process), or none")
     g.add_argument("--passes", type=list_of(choices(PASSES)), metavar="fwd,fwdbwd")
@@ -140,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", choices=("float16", "float32", "float64"))
     s.add_argument("--causal", choices=("off", "on", "both"))
     s.add_argument("--layout", choices=("contiguous", "zigzag"))
-    s.add_argument("--block-size", dest="block", type=positive, metavar="T", help="default: the library's (512)")
+    s.add_argument("--block-size", dest="block", type=positive, metavar="T", help="default: the engine's preference")
     r = parser.add_argument_group("how")
     r.add_argument("--repeat", type=positive, help="timed repeats (median; at least 5 for reported numbers)")
     r.add_argument("--warmup", type=int, help="untimed full-size calls before them (default 1 up to N = 16k, "
@@ -203,8 +186,11 @@ def _print_list(tasks: list[tuple[int, Task]], curves: list) -> None:
     for P, t in tasks:
         est = ""
         if t.workload == "attention":
-            est = "  est. " + ", ".join(f"{p} {estimate_bytes(t, P, p) / MiB:.0f} MiB" for p in t.passes) \
-                + " per rank above the baseline"
+            try:
+                est = "  est. " + ", ".join(f"{p} {estimate_bytes(t, P, p) / MiB:.0f} MiB" for p in t.passes) \
+                    + " per rank above the baseline"
+            except ValueError as exc:  # the strategy does not support the call
+                est = f"  skipped: {exc}"
         print(f"{describe(P, t)} [{t.plan}]{est}")
     for plan in curves:
         print(f"memory curve: P={list(plan.memory_ranks)} cap {plan.memory_cap / MiB:.0f} MiB per rank")
@@ -284,7 +270,7 @@ def run(args: argparse.Namespace, comm: Any = None) -> int:
         if len(mine) < len(tasks):
             log(f"mpiattn bench: running the {len(mine)} of {len(tasks)} cases that use P={P} in this job")
         if settings.max_memory is None:
-            settings = settings.replace(max_memory=int(0.9 * available_memory() / local_size(c)))
+            settings = settings.replace(max_memory=int(0.9 * available_memory() / c.node.local_size))
         run_in_job(c, mine, settings, save)
         if curves:
             log("mpiattn bench: the memory curve needs fresh jobs; run without mpiexec / --in-process for it")

@@ -5,8 +5,9 @@ what two busy cores cost each other):
 
 * **square**: ``matmul`` of two ``S x S`` matrices (default 2048), the
   machine's ceiling;
-* **tile**: the GEMMs of attention's own tile shapes and operand views,
-  e.g. ``(512x64)(64x512)`` and ``(512x512)(512x64)`` forward, plus the three
+* **tile**: the GEMMs of the native engine's tile shapes and operand views
+  (``block`` or :data:`mpiattn.kernels.DEFAULT_TILE` rows), e.g.
+  ``(512x64)(64x512)`` and ``(512x512)(512x64)`` forward, plus the three
   backward ones.
 
 :func:`attach` measures both right after an attention case, in its process,
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend
+from ..kernels import DEFAULT_TILE
 from .tasks import Task, tile_key
 from ..timing import Timer
 
@@ -72,7 +74,7 @@ def gemm_tile(timer: Timer, t: Task, P: int | None = None) -> list[dict]:
     c, xp = timer.comm, timer.xp
     acc = backend.accum_dtype(t.dtype)
     B, Hkv, G, E, Ev = t.B, t.Hkv, t.H // t.Hkv, t.E, t.Ev
-    T = int(t.block or 512)
+    T = int(t.block or DEFAULT_TILE)
     P = c.size if P is None else P
     Tq = min(T, -(-t.N // P))
     Tk = min(T, -(-t.M // P))

@@ -23,39 +23,42 @@ and returns new records:
 
 from __future__ import annotations
 
-from typing import Any
+import types
 
-from .tasks import SINGLE_PROCESS, tile_key
+from .tasks import PEERS, SDPA, MiB, tile_key
 
-__all__ = ["derive", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "impl_label"]
+__all__ = ["derive", "timed", "impl_label", "SHAPE_KEYS", "TARGET_N", "MEMORY_N", "IDEAL_N", "GEMM_GOALS"]
 
-MiB = 2**20
 #: Problem of the speed targets: N = 32k, B = H = 1, E = Ev = 64, float32, not causal.
 TARGET_N = 32768
 #: Sequence length of the memory target.
 MEMORY_N = 65536
+#: Sequence lengths of the fraction-of-ideal targets (issue 11).
+IDEAL_N = (16384, 32768)
+#: Fraction of the square-GEMM ceiling wanted at one rank, per pass (issue 6).
+GEMM_GOALS = types.MappingProxyType({"fwd": 0.60, "fwdbwd": 0.50})
 SHAPE_KEYS = ("B", "H", "Hkv", "E", "Ev", "dtype", "causal", "layout", "block", "device")
 _PROBLEM = ("B", "H", "Hkv", "E", "Ev", "dtype", "causal", "N", "M", "device", "pass")
 
 
 def impl_label(r: dict) -> str:
-    """``impl``, ``impl/engine`` where one was passed, and ``(engine used)`` where mpiattn chose it.
+    """``impl``, ``impl/engine`` where one was passed, and ``(what mpiattn chose)`` where it chose.
 
-    E.g. ``ring/torch``, ``ring(torch)`` (no engine passed, the default
-    chose torch), ``ring/auto(native)``.
+    E.g. ``ring/torch``, ``ring(native)`` (no engine passed, the default
+    chose native), ``auto/torch(ring)``, ``auto(ring, native)``.
     """
     label = f"{r['impl']}/{r['engine']}" if r.get("engine") else str(r["impl"])
-    used = r.get("engine_used")
-    if used and used != r.get("engine"):
-        label += f"({used})"
-    return label
+    chosen = [r[used] for used, asked in (("strategy_used", r["impl"]), ("engine_used", r.get("engine")))
+              if r.get(used) and r[used] != asked]
+    return label + (f"({', '.join(chosen)})" if chosen else "")
 
 
 def _ok(r: dict) -> bool:
     return r.get("status") == "ok"
 
 
-def _timed(r: dict) -> bool:
+def timed(r: dict) -> bool:
+    """An attention record with a time (measured, status ok)."""
     return _ok(r) and r.get("workload") == "attention" and "time_s" in r
 
 
@@ -72,7 +75,7 @@ def _fractions_of_ceilings(records: list[dict]) -> None:
             if r.get(fld):
                 best[key + (clock,)] = max(best.get(key + (clock,), 0.0), r[fld])
     for r in records:
-        if not _timed(r):
+        if not timed(r):
             continue
         keys = {"square": ("square", r["P"], r["dtype"], r.get("device", "cpu")),
                 "tile": ("tile", tuple(tile_key(r, r["P"])), r["pass"])}
@@ -87,12 +90,12 @@ def _fractions_of_ceilings(records: list[dict]) -> None:
 def _fractions_of_ideal(records: list[dict]) -> None:
     best: dict[tuple, dict] = {}
     for r in records:
-        if _timed(r) and r["P"] == 1 and not r.get("oversubscribed"):
+        if timed(r) and r["P"] == 1 and not r.get("oversubscribed"):
             key = (r.get("run"),) + tuple(r.get(k) for k in _PROBLEM)
             if key not in best or r["time_s"] < best[key]["time_s"]:
                 best[key] = r
     for r in records:
-        if not _timed(r):
+        if not timed(r):
             continue
         b = best.get((r.get("run"),) + tuple(r.get(k) for k in _PROBLEM))
         if b is None:
@@ -131,7 +134,7 @@ def _scaling(records: list[dict]) -> list[dict]:
     out = []
     by_group: dict[tuple, dict[tuple[int, int], dict]] = {}
     for r in records:
-        if _timed(r) and not r.get("oversubscribed") and r["impl"] not in SINGLE_PROCESS:
+        if timed(r) and not r.get("oversubscribed") and r["impl"] not in PEERS:
             key = (r["impl"], r.get("engine"), r["pass"]) + tuple(r.get(k) for k in SHAPE_KEYS)
             by_group.setdefault(key, {})[(r["N"], r["P"])] = r
     for key, runs in by_group.items():
@@ -154,98 +157,68 @@ def _scaling(records: list[dict]) -> list[dict]:
 
 
 # ----------------------------------------------------------------- targets
-def _is_target_shape(r: dict, N: int, causal: bool = False) -> bool:
-    return (r["N"] == N and r["M"] == N and r["B"] == 1 and r["H"] == 1 and r["Hkv"] == 1
-            and r["E"] == 64 and r["Ev"] == 64 and r["dtype"] == "float32" and bool(r["causal"]) == causal)
-
-
 def _target(name: str, goal: str, measured: float | None, met: bool | None, detail: str,
             measured_cpu: float | None = None, met_cpu: bool | None = None) -> dict:
     return dict(workload="target", name=name, goal=goal, measured=measured, met=met, detail=detail,
                 measured_cpu=measured_cpu, met_cpu=met_cpu)
 
 
-def _ratio(a: dict, b: dict, fld: str = "time_cpu_s") -> float | None:
-    return a[fld] / b[fld] if a.get(fld) and b.get(fld) else None
+def _ratio(a: dict, b: dict, goal: float, fld: str = "time_cpu_s") -> tuple[float | None, bool | None]:
+    """``a[fld] / b[fld]`` by CPU time, and whether it meets ``goal`` (None where not measured)."""
+    x = a[fld] / b[fld] if a.get(fld) and b.get(fld) else None
+    return x, None if x is None else x >= goal
 
 
-def _finder(records: list[dict]) -> Any:
-    def find(impl: str, pass_: str, P: int, N: int = TARGET_N, engine: str | None = None,
-             causal: bool = False) -> dict | None:
-        hits = [r for r in records if _timed(r) and r["impl"] == impl and r.get("engine") == engine
-                and r["pass"] == pass_ and r["P"] == P and _is_target_shape(r, N, causal)
-                and not r.get("oversubscribed")]
-        return hits[-1] if hits else None
-    return find
+def _target_runs(records: list[dict]) -> dict[tuple, dict]:
+    """Timed records of the targets' problem (B = H = 1, E = Ev = 64, float32, N = M), the last of each case."""
+    out = {}
+    for r in records:
+        if (timed(r) and not r.get("oversubscribed") and r["N"] == r["M"] and r["B"] == r["H"] == r["Hkv"] == 1
+                and r["E"] == r["Ev"] == 64 and r["dtype"] == "float32"):
+            out[(r["impl"], r.get("engine"), r["pass"], r["P"], r["N"], bool(r["causal"]))] = r
+    return out
 
 
 def _targets(records: list[dict]) -> list[dict]:
-    find = _finder(records)
+    """The goals of issues 6 and 11, for every mpiattn implementation (strategy and engine) measured."""
+    runs = _target_runs(records)
     out = []
-    for pass_, goal in (("fwd", 0.60), ("fwdbwd", 0.50)):
-        r = find("ring", pass_, 1)
-        if r and "frac_gemm_square" in r:
-            tile, fc = r.get("frac_gemm_tile"), r.get("frac_gemm_square_cpu")
-            out.append(_target(f"ring {pass_} N=32k, 1 rank: fraction of GEMM ceiling", f">= {goal:.0%}",
-                               r["frac_gemm_square"], r["frac_gemm_square"] >= goal,
-                               f"{r['gflops_per_rank']:.1f} GFLOP/s vs square GEMM {r['gemm_square_gflops']:.1f}"
-                               + (f"; {tile:.0%} of the tile-shaped GEMMs ({r['gemm_tile_gflops']:.1f})"
-                                  if tile else ""), fc, None if fc is None else fc >= goal))
-    for pass_ in ("fwd", "fwdbwd"):
-        r, t = find("ring", pass_, 1), find("torch", pass_, 1)
-        if r and t:
-            ratio, rc = t["time_s"] / r["time_s"], _ratio(t, r)
-            out.append(_target(f"ring {pass_} N=32k vs torch SDPA, 1 process", "torch time / ring time >= 1",
-                               ratio, ratio >= 1.0, f"ring {r['time_s']:.2f} s, torch {t['time_s']:.2f} s",
-                               rc, None if rc is None else rc >= 1.0))
-    for pass_ in ("fwd", "fwdbwd"):
-        one, two = find("ring", pass_, 1), find("ring", pass_, 2)
-        if one and two:
-            s, sc = one["time_s"] / two["time_s"], _ratio(one, two)
-            sq1, sq2 = one.get("gemm_square_gflops"), two.get("gemm_square_gflops")
-            out.append(_target(f"ring {pass_} N=32k: 2 ranks vs 1", "speedup >= 1.8", s, s >= 1.8,
-                               f"{one['time_s']:.2f} s -> {two['time_s']:.2f} s"
-                               + (f"; square GEMM per rank {sq1:.0f} GF/s alone, {sq2:.0f} with 2 ranks busy "
-                                  f"(bound on the speedup: {2 * sq2 / sq1:.2f})" if sq1 and sq2 else ""),
-                               sc, None if sc is None else sc >= 1.8))
-    for r in records:
-        if not (_timed(r) and r["impl"] == "ring" and _is_target_shape(r, MEMORY_N) and "peak_bytes" in r):
+    for (impl, engine, pass_, P, N, causal), r in runs.items():
+        if impl in PEERS:
             continue
-        if r["pass"] == "fwd":
-            shard, what = r["shard_bytes"], "q, k, v, out"
-        else:
-            shard, what = r["shard_bytes_grads"], "q, k, v, out, dout, dq, dk, dv"
-        limit = 2 * shard + 64 * MiB
-        peak = r["peak_bytes"]
-        out.append(_target(f"{impl_label(r)} {r['pass']} N=64k, P={r['P']}: peak memory per rank",
-                           f"<= 2 x ({what}) + 64 MiB = {limit / MiB:.0f} MiB", peak / MiB, peak <= limit,
-                           f"peak {peak / MiB:.0f} MiB (process baseline {r['baseline_bytes'] / MiB:.0f} MiB, "
-                           f"above it {(peak - r['baseline_bytes']) / MiB:.0f} MiB); shards {shard / MiB:.0f} MiB"))
-    return out + _engine_targets(find)
-
-
-def _engine_targets(find: Any) -> list[dict]:
-    """Issue 11's targets at N = 16k and 32k (only where the records hold both sides)."""
-    out = []
-    for N in (16384, 32768):
-        tag = f"N={N // 1024}k"
-        for pass_ in ("fwd", "fwdbwd"):
-            sdpa = find("torch", pass_, 1, N)
-            for engine, goal in (("torch", 0.95), ("native", 0.80 if pass_ == "fwd" else 0.85)):
-                r = find("ring", pass_, 1, N, engine)
-                if r and sdpa:
-                    ratio, rc = sdpa["time_s"] / r["time_s"], _ratio(sdpa, r)
-                    out.append(_target(f"ring/{engine} {pass_} {tag}, 1 rank vs torch SDPA",
-                                       f"SDPA time / ring time >= {goal:.2f}", ratio, ratio >= goal,
-                                       f"ring/{engine} {r['time_s']:.3f} s, SDPA {sdpa['time_s']:.3f} s",
-                                       rc, None if rc is None else rc >= goal))
-            for engine, causal, goal in (("torch", False, 0.85), ("torch", True, 0.80), ("native", True, 0.80)):
-                r = find("ring", pass_, 2, N, engine, causal)
-                if r and "frac_ideal" in r:
-                    fc = r.get("frac_ideal_cpu")
-                    out.append(_target(f"ring/{engine} {pass_} {tag}{' causal' if causal else ''}, 2 ranks: "
-                                       "fraction of ideal", f">= {goal:.0%}", r["frac_ideal"],
-                                       r["frac_ideal"] >= goal,
-                                       f"T_best {r['ideal_time_s']:.3f} s ({r['ideal_impl']}), "
-                                       f"T_2 {r['time_s']:.3f} s", fc, None if fc is None else fc >= goal))
+        name = f"{impl_label(r)} {pass_} N={N // 1024}k{' causal' if causal else ''}"
+        if P == 1 and N == TARGET_N and not causal:
+            goal = GEMM_GOALS[pass_]
+            if "frac_gemm_square" in r:
+                fc, tile = r.get("frac_gemm_square_cpu"), r.get("frac_gemm_tile")
+                out.append(_target(f"{name}, 1 rank: fraction of GEMM ceiling", f">= {goal:.0%}",
+                                   r["frac_gemm_square"], r["frac_gemm_square"] >= goal,
+                                   f"{r['gflops_per_rank']:.1f} GFLOP/s vs square GEMM {r['gemm_square_gflops']:.1f}"
+                                   + (f"; {tile:.0%} of the tile-shaped GEMMs" if tile else ""),
+                                   fc, None if fc is None else fc >= goal))
+            sdpa = runs.get((SDPA, None, pass_, 1, N, False))
+            if sdpa:
+                x = sdpa["time_s"] / r["time_s"]
+                out.append(_target(f"{name} vs torch SDPA, 1 process", "torch time / mpiattn time >= 1", x,
+                                   x >= 1.0, f"mpiattn {r['time_s']:.2f} s, torch {sdpa['time_s']:.2f} s",
+                                   *_ratio(sdpa, r, 1.0)))
+            two = runs.get((impl, engine, pass_, 2, N, False))
+            if two:
+                x = r["time_s"] / two["time_s"]
+                out.append(_target(f"{name}: 2 ranks vs 1", "speedup >= 1.8", x, x >= 1.8,
+                                   f"{r['time_s']:.2f} s -> {two['time_s']:.2f} s", *_ratio(r, two, 1.8)))
+        if N == MEMORY_N and not causal and "peak_bytes" in r:
+            shard, what = ((r["shard_bytes"], "q, k, v, out") if pass_ == "fwd" else
+                           (r["shard_bytes_grads"], "q, k, v, out, dout, dq, dk, dv"))
+            limit, peak = 2 * shard + 64 * MiB, r["peak_bytes"]
+            out.append(_target(f"{name}, P={P}: peak memory per rank",
+                               f"<= 2 x ({what}) + 64 MiB = {limit / MiB:.0f} MiB", peak / MiB, peak <= limit,
+                               f"peak {peak / MiB:.0f} MiB (process baseline {r['baseline_bytes'] / MiB:.0f} MiB); "
+                               f"shards {shard / MiB:.0f} MiB"))
+        if P == 2 and N in IDEAL_N and "frac_ideal" in r:
+            goal = 0.80 if causal else 0.85
+            fc = r.get("frac_ideal_cpu")
+            out.append(_target(f"{name}, 2 ranks: fraction of ideal", f">= {goal:.0%}", r["frac_ideal"],
+                               r["frac_ideal"] >= goal, f"T_best {r['ideal_time_s']:.3f} s ({r['ideal_impl']}), "
+                               f"T_2 {r['time_s']:.3f} s", fc, None if fc is None else fc >= goal))
     return out

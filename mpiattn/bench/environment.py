@@ -1,8 +1,8 @@
 """The machine a benchmark runs on: versions, BLAS, cores, memory, load.
 
 :func:`environment` is the ``env`` record of every job; the other functions
-help the launcher decide what may run (usable cores, available memory) and
-when (:func:`wait_idle`).
+help the launcher decide what may run (available memory; the usable cores
+are :func:`mpiattn.comm.node.usable_cores`) and when (:func:`wait_idle`).
 """
 
 from __future__ import annotations
@@ -14,18 +14,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["environment", "usable_cores", "available_memory", "local_size", "cpu_ticks", "wait_idle"]
+from ..comm.node import usable_cores
+
+__all__ = ["environment", "available_memory", "cpu_ticks", "wait_idle"]
 
 _VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
          "MPIR_CVAR_ENABLE_HEAVY_YIELD", "MPIATTN_GPU_TRANSPORT", "MPIATTN_FUSED_KERNELS", "CUPY_TF32")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def available_memory() -> int:
@@ -36,17 +30,6 @@ def available_memory() -> int:
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return 8 * 2**30
-
-
-def local_size(c: Any) -> int:
-    """Ranks of ``c`` on this node (a collective call)."""
-    from mpi4py import MPI
-
-    local = c.mpi.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.Get_size()
-    finally:
-        local.Free()
 
 
 def _blas() -> Any:

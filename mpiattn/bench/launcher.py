@@ -19,10 +19,10 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
-from .environment import usable_cores
+from ..comm.node import usable_cores
 from .memory import estimate_bytes
-from .presets import MiB, Plan
-from .tasks import Settings, Task, write_job
+from .presets import Plan
+from .tasks import MiB, Settings, Task, write_job
 
 __all__ = ["launcher", "worker_env", "spawn", "largest_n", "memory_curve"]
 
@@ -100,12 +100,13 @@ def memory_curve(plan: Plan, settings: Settings, log: Log, mpiexec: str | None =
 
     The model's N (above a measured baseline) runs in a fresh job; if the
     measured peak exceeds the cap, N shrinks by the overshoot and runs again
-    (at most four runs per ``P``). The ring uses the plan's first engine (the
-    baseline probe too: an engine's libraries are part of the floor).
+    (at most four runs per ``P``). It times the plan's first strategy with its
+    first engine (the baseline probe too: an engine's libraries are part of
+    the floor).
     """
     cap = plan.memory_cap
     fresh = settings.replace(fresh=True, max_memory=None)
-    engine = plan.engines[0] if plan.engines else None
+    impl, engine = plan.impl[0], plan.engines[0] if plan.engines else None
     out = []
     for P in plan.memory_ranks:
         probe = spawn(P, [Task(workload="baseline", engine=engine, dtype=plan.dtype, B=plan.batch, H=plan.heads,
@@ -115,14 +116,14 @@ def memory_curve(plan: Plan, settings: Settings, log: Log, mpiexec: str | None =
         base = next((r["baseline_bytes"] for r in probe
                      if r.get("workload") == "baseline" and r.get("status") == "ok"), None)
         if base is None:
-            out.append(dict(workload="memory_curve", P=P, engine=engine, cap_bytes=cap,
+            out.append(dict(workload="memory_curve", P=P, impl=impl, engine=engine, cap_bytes=cap,
                             status="baseline probe failed"))
             continue
-        task = plan.attention_task(0, False, settings.device, False, impl="ring", engine=engine).replace(
+        task = plan.attention_task(0, False, settings.device, False, impl=impl, engine=engine).replace(
             passes=(plan.memory_pass,), repeat=1, warmup=0, plan="memory")
         grain = 256 * P
         N_est = N = largest_n(task, P, cap - base, grain)
-        rec = dict(workload="memory_curve", P=P, engine=engine, cap_bytes=cap, baseline_bytes=base,
+        rec = dict(workload="memory_curve", P=P, impl=impl, engine=engine, cap_bytes=cap, baseline_bytes=base,
                    N_estimate=N_est, pass_=plan.memory_pass, status="no N fits the cap")
         for attempt in range(4):
             if N <= 0:

@@ -14,18 +14,20 @@ The measured numbers and their commands are in ``benchmarks/masks/``. Two parts:
     where the visible fraction is visible pairs (causal documents) / visible
     pairs (causal).
 ``balance`` (under ``mpiexec -n P``, P = 2 for the issue)
-    Causal packed documents through the ring with the ``balanced``
+    Causal packed documents through mpiattn (``strategy="auto"``: the
+    library's choice, named in each record) with the ``balanced``
     (:func:`mpiattn.balance` counting visible tiles of ``--block`` rows),
     ``balanced-pairs`` (the same counting visible pairs), ``contiguous``
     and ``zigzag`` layouts. The
-    per-rank *compute* time is the time spent inside the native kernel calls
+    per-rank *compute* time is the time spent inside the native engine's kernel calls
     (:func:`mpiattn.kernels.native.forward_block`, wrapped with a timer), so
     waiting for a neighbour does not count; printed per rank with the spread
     ``max / min - 1`` (target for ``balanced``: within 10 %), the visible pairs
     per rank and the computed tiles per rank.
 
-Whole calls are timed with the bench's one harness (:class:`mpiattn.timing.Timer`);
-the per-rank compute time inside the kernels with :class:`KernelClock`.
+Whole calls are timed with the package's one timer (:class:`mpiattn.timing.Timer`),
+the per-rank compute time inside the kernels with :class:`KernelClock`; the inputs
+and documents come from :mod:`mpiattn.io.datagen` (seed 1).
 
 Usage::
 
@@ -43,138 +45,130 @@ import json
 import statistics
 import sys
 import time
-
-import numpy as np
+from typing import Any, Callable
 
 from .. import balancing
 from ..comm.core import get_comm
-from ..kernels import native
-from ..sharding import shard
+from ..io import datagen
+from ..kernels import DEFAULT_TILE, native
+from ..kernels.native_engine import NativeEngine
+from ..layouts import segments
 from ..strategies import attention, attention_backward
 from ..timing import Timer
 
 
-def documents(n: int, mean: int, seed: int) -> np.ndarray:
-    """(1, n) ids of packed documents with geometric lengths of the given mean (the same on every rank)."""
-    rng = np.random.default_rng(seed)
-    lens = rng.geometric(1.0 / mean, size=4 * (n // mean + 2))
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    cu = np.unique(np.minimum(cu[: np.searchsorted(cu, n) + 1], n))
-    return balancing.segment_ids_from_cu_seqlens(cu)[None]
+Emit = Callable[[dict], None]
+
+
+def _spec(args: argparse.Namespace) -> datagen.Spec:
+    """The problem: ``(1, 1, n, 64)`` float32 and packed documents of mean length ``--mean-doc``."""
+    return datagen.Spec(batch=1, heads=1, kv_heads=1, seq=args.n, kv_seq=args.n, dim=64, value_dim=64,
+                        with_dout=True, docs=args.mean_doc, seed=1)
+
+
+def _rows(c: Any, spec: datagen.Spec, layout: Any, *names: str) -> list:
+    """This rank's rows of ``names`` under ``layout`` (:mod:`mpiattn.io.datagen`)."""
+    return [datagen.local_rows(spec, name, segments(spec.seq, c.rank, c.size, layout)) for name in names]
 
 
 class KernelClock:
-    """Time and tiles inside the native kernels of this rank (compute only, no waiting)."""
+    """Time and tiles inside the native engine's kernels on this rank (compute only, no waiting)."""
 
     def __init__(self) -> None:
         self.seconds, self.tiles = 0.0, 0
         self._block, self._tile = native.forward_block, native._tile_generic
 
     def __enter__(self) -> "KernelClock":
-        def block(*a, **k):
+        def block(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return self._block(*a, **k)
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        def tile(*a, **k):
+        def tile(*a: Any, **k: Any) -> Any:
             self.tiles += 1
             return self._tile(*a, **k)
 
         native.forward_block, native._tile_generic = block, tile
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         native.forward_block, native._tile_generic = self._block, self._tile
 
 
-def _inputs(n: int, layout, seed: int = 0) -> tuple:
-    rng = np.random.default_rng(seed)
-    x = [rng.standard_normal((1, 1, n, 64), dtype=np.float32) for _ in range(4)]
-    return tuple(shard(a, layout=layout) for a in x)
-
-
-def _median_time(c, fn, repeats: int) -> float:
-    return Timer(c).measure(fn, warmup=1, repeat=repeats).median
-
-
-def single(args: argparse.Namespace, emit) -> None:
+def single(args: argparse.Namespace, emit: Emit) -> None:
+    """Causal, window and documents on one process: times, visible pairs, tiles, the two targets."""
     c = get_comm()
     if c.size != 1:
         raise SystemExit("the 'single' part runs on one process (P = 1)")
-    n = args.n
-    q, k, v, do = _inputs(n, "contiguous")
-    seg = documents(n, args.mean_doc, seed=1)
+    n, spec = args.n, _spec(args)
+    q, k, v, do, seg = _rows(c, spec, "contiguous", "q", "k", "v", "dout", "segment_ids")
     cases = {"causal": {}, f"window {args.window[0]},{args.window[1]}": dict(window=tuple(args.window)),
              f"documents mean {args.mean_doc}": dict(segment_ids=seg)}
-    base = dict(causal=True, engine="native", strategy="ring", block_size=args.block)
-    results = {}
+    results = []
     for name, extra in cases.items():
-        kw = {**base, **extra}
+        kw = dict(causal=True, engine=NativeEngine.name, block_size=args.block, **extra)
 
-        def step():
+        def step() -> None:
             out, lse = attention(q, k, v, **kw)
             if args.backward:
                 attention_backward(do, q, k, v, out, lse, **kw)
 
+        used: dict = {}
         with KernelClock() as clock:
-            attention(q, k, v, **kw)
-        t = _median_time(c, step, args.repeats)
+            attention(q, k, v, details=used, **kw)
+        t = Timer(c).measure(step, warmup=1, repeat=args.repeats).median
         pairs = int(balancing.row_work(n, causal=True, window=extra.get("window"),
                                        segment_ids=extra.get("segment_ids")).sum())
-        results[name] = (t, pairs)
-        emit({"part": "single", "case": name, "N": n, "time_s": t, "visible_pairs": pairs,
-              "tiles": clock.tiles, "backward": args.backward, "block": args.block})
-    t_c, p_c = results["causal"]
-    names = list(cases)
-    t_w, _ = results[names[1]]
-    t_d, p_d = results[names[2]]
+        results.append((t, pairs))
+        emit({"part": "single", "case": name, "N": n, "time_s": t, "visible_pairs": pairs, "tiles": clock.tiles,
+              "backward": args.backward, "block": args.block, "strategy": used["strategy"]})
+    (t_c, p_c), (t_w, _), (t_d, p_d) = results
     frac = p_d / p_c
-    emit({"part": "single", "target": "window / causal <= 0.15", "value": t_w / t_c,
-          "met": t_w / t_c <= 0.15})
+    emit({"part": "single", "target": "window / causal <= 0.15", "value": t_w / t_c, "met": t_w / t_c <= 0.15})
     emit({"part": "single", "target": "documents / (visible fraction * causal) <= 2.5",
           "visible_fraction": frac, "value": t_d / (frac * t_c), "met": t_d / (frac * t_c) <= 2.5})
 
 
-def balance_part(args: argparse.Namespace, emit) -> None:
+def balance_part(args: argparse.Namespace, emit: Emit) -> None:
+    """Causal documents under four layouts: compute time, tiles and visible pairs per rank."""
     c = get_comm()
-    n, P = args.n, c.size
-    seg = documents(n, args.mean_doc, seed=1)
+    n, P, spec = args.n, c.size, _spec(args)
+    seg = datagen.rows(spec, "segment_ids", 0, n)  # (1, n), the same on every rank
     layouts = {"balanced": balancing.balance(n, P, causal=True, segment_ids=seg, block_size=args.block),
                "balanced-pairs": balancing.balance(n, P, causal=True, segment_ids=seg),
                "contiguous": "contiguous", "zigzag": "zigzag"}
     for name, layout in layouts.items():
-        q, k, v, _ = _inputs(n, layout)
-        ids = shard(seg, axis=-1, layout=layout)
-        kw = dict(causal=True, segment_ids=ids, layout=layout, engine="native", strategy="ring",
-                  block_size=args.block)
-        attention(q, k, v, **kw)  # warm-up
-        per_call = []
-        tiles = 0
+        q, k, v, ids = _rows(c, spec, layout, "q", "k", "v", "segment_ids")
+        kw = dict(causal=True, segment_ids=ids, layout=layout, engine=NativeEngine.name, block_size=args.block)
+        used: dict = {}
+        attention(q, k, v, details=used, **kw)  # warm-up
+        per_call, tiles = [], 0
         for _ in range(args.repeats):
             c.barrier()
             with KernelClock() as clock:
                 attention(q, k, v, **kw)
             per_call.append(clock.seconds)
             tiles = clock.tiles
-        mine = statistics.median(per_call)
-        every = c.allgather_obj((mine, tiles))
+        every = c.allgather_obj((statistics.median(per_call), tiles))
         work = balancing.rank_work(layout, n, P, causal=True, segment_ids=seg)
         secs = [e[0] for e in every]
-        emit({"part": "balance", "layout": name, "N": n, "P": P, "compute_s": secs,
+        emit({"part": "balance", "layout": name, "strategy": used["strategy"], "N": n, "P": P, "compute_s": secs,
               "spread": max(secs) / max(min(secs), 1e-12) - 1, "tiles": [e[1] for e in every],
               "visible_pairs": work.tolist(), "pairs_max_over_mean": float(work.max() / work.mean()),
               "ranges": None if isinstance(layout, str) else [len(r) for r in layout.ranges]})
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m mpiattn.bench.masks single|balance [options]``: print (and append) the records."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("part", choices=("single", "balance"))
     ap.add_argument("--n", type=int, default=32768, help="sequence length (default 32768)")
     ap.add_argument("--mean-doc", type=int, default=2048, help="mean document length (default 2048)")
     ap.add_argument("--window", type=int, nargs=2, default=(1024, 0), metavar=("LEFT", "RIGHT"))
-    ap.add_argument("--block", type=int, default=512, help="ring block and tile rows (default 512)")
+    ap.add_argument("--block", type=int, default=DEFAULT_TILE,
+                    help=f"exchanged block and tile rows (default {DEFAULT_TILE})")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per case (median; default 3)")
     ap.add_argument("--backward", action="store_true", help="single: time forward + backward")
     ap.add_argument("--json", default=None, help="append the records to this JSON-lines file")

@@ -1,11 +1,14 @@
-"""Memory per rank: what a process holds (measured) and what a case should need (modelled).
+"""Memory per rank: what a process holds (measured) and what a case should need (the library's models).
 
 * :class:`MemoryMeter` measures: the peak resident set size of the process
   (``ru_maxrss``) on CPU, which only means something in a fresh process per
   case, or the high-water of CuPy's memory pool on GPU.
-* :func:`estimate_bytes` models the arrays each implementation keeps alive
-  at its peak; the ``--max-memory`` guard and the memory-per-rank curve use
-  it, and every record shows it beside the measured peak.
+* :func:`estimate_bytes` asks the library: the strategy's
+  :meth:`~mpiattn.strategies.base.Strategy.memory` (the one ``auto`` picks
+  or the task names; a model of the native engine's blocks and tiles), or
+  :func:`~mpiattn.kernels.reference.dense_nbytes` for the dense peer. The
+  ``--max-memory`` guard and the memory curve use it, and every record
+  shows it beside the measured peak.
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from typing import Any
 import numpy as np
 
 from .. import backend
-from ..layouts import local_length
-from .tasks import Task
+from ..kernels import DEFAULT_TILE, engines
+from ..kernels.reference import dense_nbytes
+from ..layouts import local_length, local_lengths
+from ..strategies import registry
+from ..strategies.base import Strategy
+from .tasks import DENSE, Task
 
-__all__ = ["MemoryMeter", "rss_now", "rss_peak", "shard_bytes", "estimate_bytes"]
+__all__ = ["MemoryMeter", "rss_now", "rss_peak", "shard_bytes", "plan_call", "estimate_bytes"]
 
 
 def rss_now() -> int:
@@ -38,11 +45,8 @@ def rss_now() -> int:
 
 
 def rss_peak() -> int:
-    """Peak resident set size of this process in bytes (``ru_maxrss``).
-
-    Linux updates its counters in batches, so the current size read just
-    before may exceed ``ru_maxrss`` by a few pages: the larger one is returned.
-    """
+    """Peak resident set size in bytes: ``ru_maxrss``, or the current size where Linux's batched
+    counters have not caught up yet (by a few pages)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return max(int(peak if sys.platform == "darwin" else peak * 1024), rss_now())
 
@@ -50,13 +54,11 @@ def rss_peak() -> int:
 class MemoryMeter:
     """Peak memory of this rank: RSS high-water on CPU, CuPy pool high-water on GPU.
 
-    On GPU the default CuPy allocator is wrapped so that every allocation
-    updates the high-water of the pool's used bytes.
-
     Parameters
     ----------
     xp : module
-        numpy or cupy.
+        numpy, or cupy: then the default allocator is wrapped so that every
+        allocation updates the high-water of the pool's used bytes.
     """
 
     def __init__(self, xp: Any):
@@ -90,77 +92,39 @@ class MemoryMeter:
 
 def shard_bytes(t: Task, P: int, rank: int = 0, grads: bool = False) -> int:
     """Bytes of this rank's q, k, v, out shards (and dout, dq, dk, dv with ``grads``)."""
-    s = np.dtype(t.dtype).itemsize
     n = local_length(t.N, rank, P, t.layout)
     m = local_length(t.M, rank, P, t.layout)
-    q_out = t.B * t.H * n * (t.E + t.Ev)
-    kv = t.B * t.Hkv * m * (t.E + t.Ev)
-    return s * (q_out + kv) * (2 if grads else 1)
+    words = t.B * t.H * n * (t.E + t.Ev) + t.B * t.Hkv * m * (t.E + t.Ev)
+    return np.dtype(t.dtype).itemsize * words * (2 if grads else 1)
+
+
+def plan_call(t: Task, P: int) -> tuple[Strategy, int]:
+    """The strategy :func:`mpiattn.attention` would run for task ``t`` on ``P`` ranks, and its block rows
+    (``t.block``, else the engine's preference for the longest key/value shard).
+
+    Raises
+    ------
+    ValueError
+        The task's strategy does not support the call (the registry's reason).
+    """
+    spec = t.spec()
+    engine = engines.get(engines.AUTO[0] if spec.options.engine == "auto" else spec.options.engine)
+    block = t.block or engine.block_rows(spec, max(local_lengths(t.M, P, t.layout)))
+    strategy, _ = registry.resolve(spec, P, block)
+    return strategy, block
 
 
 def estimate_bytes(t: Task, P: int, pass_: str) -> int:
-    """Estimated peak bytes per rank above the baseline for attention task ``t`` at ``P`` ranks.
-
-    A model of the arrays each implementation keeps alive at its peak
-    (inputs, folded copies, accumulators, one score tile, pieces in flight).
-
-    Parameters
-    ----------
-    t : Task
-    P : int
-    pass_ : {"fwd", "fwdbwd"}
-
-    Returns
-    -------
-    int
+    """Estimated peak bytes per rank (inputs included) of attention task ``t`` at ``P`` ranks for
+    ``pass_`` ("fwd" or "fwdbwd"). The peers run on one process: ``dense`` by
+    :func:`~mpiattn.kernels.reference.dense_nbytes` (every row at once, accumulation dtype),
+    ``torch`` as the strategy ``auto`` picks at ``P = 1`` (a blocked online softmax, like torch's
+    flash kernels). Raises ValueError where the task's strategy does not support the call.
     """
-    B, H, Hkv, E, Ev = t.B, t.H, t.Hkv, t.E, t.Ev
-    s = np.dtype(t.dtype).itemsize
-    a = backend.accum_dtype(t.dtype).itemsize
-    cast = 0 if s == a else 1                           # float16 keeps float32 copies besides the inputs
-    impl = t.impl
-    one = t.single_process
-    n = t.N if one else -(-t.N // P)
-    m = t.M if one else -(-t.M // P)
-    G = H // Hkv
-    q_row, o_row, kv_row = B * H * E, B * H * Ev, B * Hkv * (E + Ev)    # words per row
-    inputs = s * (n * q_row + m * kv_row)
-    out_lse = s * n * o_row + a * B * H * n
-    dout = s * n * o_row
-    if impl == "dense":                                 # the (B, H, N, M) probabilities, kept for backward
-        scores = a * B * H * n * m
-        upcast = cast * a * (n * q_row + m * kv_row * G)
-        fwd = inputs + upcast + scores + out_lse + a * n * o_row
-        bwd = fwd + dout + scores + a * (n * q_row + m * kv_row * G) * 2
-        return int(fwd if pass_ == "fwd" else bwd)
-    if impl == "torch":                                 # flash kernels: O(rows) extra
-        fwd = inputs + out_lse + a * n * o_row
-        bwd = inputs + out_lse + dout + inputs + cast * a * (n * q_row + m * kv_row)
-        return int(fwd if pass_ == "fwd" else max(fwd, bwd))
-    if impl == "materialized":                          # n x M scores per head, a few of them alive
-        scores = a * B * H * n * t.M
-        fwd = inputs + out_lse + 3 * scores + a * n * (q_row + o_row)
-        bwd = inputs + out_lse + dout + 4 * scores + a * (n * q_row * 2 + m * kv_row * G * 2)
-        return int(fwd if pass_ == "fwd" else max(fwd, bwd))
-    # blocked strategies: ring, allgather, ulysses (auto is one of them)
-    T = int(t.block or 512)
-    hp = P if impl == "ulysses" else 1                  # ulysses: whole sequence, H/P heads
-    n_loc = t.N if impl == "ulysses" else n
-    m_loc = t.M if impl == "ulysses" else m
-    Tq, Tk = min(T, n_loc), min(T, m_loc)
-    BK = max(1, B * Hkv // hp)
-    tile_f = a * BK * (Tq * G * (Tk + Ev + 8) + Tk * (E + Ev))
-    tile_b = a * BK * (Tq * G * (2 * Tk + E + 4) + 2 * Tk * (E + Ev))
-    rounds = P if impl == "allgather" else 1
-    pieces_f = 3 * rounds * Tk * kv_row * s
-    pieces_b = pieces_f + 3 * rounds * Tk * kv_row * a
-    moved = 0
-    if impl == "ulysses":                               # head-sharded copies, with their send buffers
-        moved = 2 * s * (t.N * (q_row + o_row) + t.M * kv_row) // P
-    rows = a * n_loc * B * H // hp                      # one accumulation word per (query row, head)
-    # forward: folded q, running o and its normalised copy, m and l, one tile, pieces in flight
-    fwd = inputs + moved + rows * (E + 2 * Ev + 3) + cast * s * n * o_row + tile_f + pieces_f
-    # backward: out, lse, dout kept; folded q and dout, dq, dk, dv accumulators, tiles, pieces
-    bwd = (inputs + out_lse + dout + moved + rows * (2 * E + Ev + 2) + a * m_loc * kv_row // hp
-           + cast * s * (n * q_row + m * kv_row) + tile_b + pieces_b)
-    return int(fwd if pass_ == "fwd" else max(fwd, bwd))
+    if t.impl == DENSE:
+        shapes = ((t.B, t.H, t.N, t.E), (t.B, t.Hkv, t.M, t.E), (t.B, t.Hkv, t.M, t.Ev))
+        return dense_nbytes(*shapes, block_rows=None, itemsize=backend.accum_dtype(t.dtype).itemsize)
+    P = 1 if t.single_process else P
+    strategy, _ = plan_call(t, P)
+    # the models count the native engine's blocks and score tiles: block_size rows, else its tile
+    return int(strategy.memory(t.spec(), P, t.block or DEFAULT_TILE, pass_ != "fwd"))

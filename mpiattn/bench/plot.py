@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from typing import Any
 
-from .derive import impl_label
-from .tasks import SINGLE_PROCESS
+from .derive import SHAPE_KEYS, impl_label, timed
+from .tasks import PEERS, MiB
 
 __all__ = ["plot_all"]
 
-MiB = 2**20
-_STYLE = {"fwd": "-", "fwdbwd": "--"}
+_STYLE = types.MappingProxyType({"fwd": "-", "fwdbwd": "--"})
 
 
 def _pyplot() -> Any:
@@ -32,11 +32,6 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _timed(records: list[dict]) -> list[dict]:
-    return [r for r in records if r.get("workload") == "attention" and r.get("status") == "ok" and "time_s" in r
-            and not r.get("oversubscribed")]
 
 
 def _series(records: list[dict], key: Any) -> dict[tuple, list[dict]]:
@@ -64,14 +59,6 @@ def _save(fig: Any, outdir: str, name: str) -> str:
 def _title(r: dict) -> str:
     return (f"B={r['B']} H={r['H']} Hkv={r['Hkv']} E={r['E']} {r['dtype']} "
             f"{'causal' if r['causal'] else 'non-causal'}")
-
-
-def _shape_groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    keys = ("B", "H", "Hkv", "E", "Ev", "dtype", "causal", "layout", "block", "device")
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
-    return groups
 
 
 def _points(rs: list[dict], field: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
@@ -128,7 +115,7 @@ def _plot_memory(plt: Any, recs: list[dict], outdir: str, tag: str) -> list[str]
         ax_a.plot(Ns, [max(r["peak_bytes"] - r.get("baseline_bytes", 0), 1) / MiB for r in rs],
                   _STYLE.get(pass_, "-"), marker="o", color=line.get_color(), label=_label(impl, P, pass_))
     Ns = sorted({r["N"] for r in mem})
-    Ps = sorted({r["P"] for r in mem if r["impl"] not in SINGLE_PROCESS})
+    Ps = sorted({r["P"] for r in mem if r["impl"] not in PEERS})
     words = (8 if mem[0]["dtype"] == "float64" else 4) * mem[0]["B"] * mem[0]["H"]
     for P in Ps:
         ax_a.plot(Ns, [words * N * N / P / MiB for N in Ns], ":", color="gray", lw=0.9)
@@ -187,7 +174,7 @@ def _plot_memory_curve(plt: Any, records: list[dict], outdir: str) -> list[str]:
     ax.plot(Ps, [r["N_estimate"] for r in mc], ls="--", marker="x", label="largest N by the memory model")
     ax.plot(Ps, [mc[0]["N_verified"] * P / Ps[0] for P in Ps], ":", color="gray", label="linear in P")
     ax.set(xlabel="ranks P", ylabel="sequence length N",
-           title=f"largest N within {mc[0]['cap_bytes'] / MiB:.0f} MiB per rank (ring, "
+           title=f"largest N within {mc[0]['cap_bytes'] / MiB:.0f} MiB per rank ({mc[0].get('impl', 'mpiattn')}, "
                  f"{'fwd+bwd' if mc[0].get('pass_') == 'fwdbwd' else 'fwd'})")
     ax.set_xticks(Ps)
     ax.grid(True, alpha=0.3)
@@ -207,7 +194,10 @@ def plot_all(records: list[dict], outdir: str) -> list[str]:
     plt = _pyplot()
     os.makedirs(outdir, exist_ok=True)
     written = []
-    groups = _shape_groups(_timed(records))
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if timed(r) and not r.get("oversubscribed"):
+            groups.setdefault(tuple(r.get(k) for k in SHAPE_KEYS), []).append(r)
     for i, recs in enumerate(sorted(groups.values(), key=lambda g: -len(g))):
         tag = "" if i == 0 else f"_{recs[0]['dtype']}_H{recs[0]['H']}{'_causal' if recs[0]['causal'] else ''}"
         if len({r["N"] for r in recs}) < 2 and i > 0:

@@ -9,15 +9,17 @@ launched) and the memory-curve plans.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from .tasks import ENGINE_IMPLS, OLD_NAMES, Task
+from ..kernels import engines
+from ..strategies import registry
+from .tasks import DENSE, PEERS, SDPA, MiB, Task
 
-__all__ = ["K", "MiB", "Plan", "SUITES", "WARMUP_FULL_MAX_N", "plans_for", "build_tasks"]
+__all__ = ["K", "Plan", "SUITES", "WARMUP_FULL_MAX_N", "plans_for", "build_tasks"]
 
 K = 1024
-MiB = 2**20
 #: With ``warmup=None``: one full-size warm-up call up to this N, none above (a call then lasts
 #: seconds, and the small warm-up problem has already run in the same process).
 WARMUP_FULL_MAX_N = 16 * K
@@ -28,14 +30,15 @@ class Plan:
     """One sweep: sizes x rank counts x implementations x engines, peers, products, a memory curve.
 
     The fields are named as the ``bench`` options (``--seq`` sets ``n``,
-    ``--block-size`` sets ``block``); ``engines`` holds ``None`` for "do not
-    pass ``engine=``".
+    ``--block-size`` sets ``block``); ``impl`` holds strategy names of the
+    registry (``auto``: the library's choice), ``engines`` engine names or
+    ``None`` for "do not pass ``engine=``".
     """
 
     name: str = "custom"
     n: tuple[int, ...] = (4 * K,)
     ranks: tuple[int, ...] = (1,)
-    impl: tuple[str, ...] = ("ring",)
+    impl: tuple[str, ...] = ("auto",)
     engines: tuple[str | None, ...] = (None,)
     peers: tuple[str, ...] = ("gemm",)
     peers_n: tuple[int, ...] | None = None
@@ -72,35 +75,38 @@ def _plan(**kw: Any) -> Plan:
     return Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
 
 
-#: Presets: each suite is a list of plans; explicit command-line options override every plan.
-SUITES: dict[str, list[Plan]] = {
-    "quick": [_plan(name="quick", n=[4 * K, 8 * K], ranks=[1, 2], impl=["ring"], peers=["gemm", "dense", "torch"],
-                    peers_n=[4 * K], products=["nt", "nn", "tn"], product_n=[4 * K])],
-    "issue3": [_plan(name="issue3", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
-                     peers=["gemm", "dense"])],
-    "targets": [_plan(name="targets", n=[32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
-                      peers=["gemm", "dense", "torch"], peers_n=[32 * K])],
-    "engines": [_plan(name="engines", n=[16 * K, 32 * K], ranks=[1, 2], impl=["ring"], engines=["native", "torch"],
-                      peers=["gemm", "torch"]),
-                _plan(name="engines-causal", n=[16 * K], ranks=[1, 2], impl=["ring"], engines=["native", "torch"],
-                      causal="on", layout="zigzag", peers=["torch"])],
-    "scaling": [_plan(name="scaling", n=[8 * K, 16 * K, 32 * K], ranks=[1, 2], impl=["ring"], peers=["gemm"])],
-    "strategies": [_plan(name="strategies", n=[8 * K], ranks=[2], heads=2, kv_heads=2,
-                         impl=["ring", "allgather", "ulysses", "materialized"], peers=["gemm"]),
-                   _plan(name="causal", n=[16 * K], ranks=[1, 2], impl=["ring"], causal="on", layout="zigzag",
-                         peers=["gemm"])],
-    "products": [_plan(name="products", n=[], ranks=[1, 2], products=["nt", "nn", "tn"],
-                       product_n=[8 * K, 16 * K], peers=["gemm"])],
-    # the native engine: the torch engine's library alone (about 190 MiB) exceeds the curve's 100 MiB cap
-    "memory": [_plan(name="memory", n=[], ranks=[], peers=[], engines=["native"], memory_curve=True)],
-}
-#: Everything the committed results need (issue 3's table, the targets, scaling, strategies,
-#: products, the memory curve) in one command that fits a 2-core, 24 GiB machine.
-SUITES["full"] = [
-    _plan(name="issue3+targets", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], impl=["ring"],
-          peers=["gemm", "dense", "torch"], peers_n=[16 * K, 32 * K]),
-    *SUITES["strategies"], *SUITES["products"], *SUITES["memory"],
-]
+def _suites() -> dict[str, tuple[Plan, ...]]:
+    every_strategy, every_engine = tuple(registry.STRATEGIES), tuple(engines.ENGINES)
+    suites = {
+        "quick": (_plan(name="quick", n=[4 * K, 8 * K], ranks=[1, 2], peers=["gemm", DENSE, SDPA],
+                        peers_n=[4 * K], products=["nt", "nn", "tn"], product_n=[4 * K]),),
+        "issue3": (_plan(name="issue3", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2], peers=["gemm", DENSE]),),
+        "targets": (_plan(name="targets", n=[32 * K, 64 * K], ranks=[1, 2], peers=["gemm", DENSE, SDPA],
+                          peers_n=[32 * K]),),
+        "engines": (_plan(name="engines", n=[16 * K, 32 * K], ranks=[1, 2], engines=every_engine,
+                          peers=["gemm", SDPA]),
+                    _plan(name="engines-causal", n=[16 * K], ranks=[1, 2], engines=every_engine, causal="on",
+                          layout="zigzag", peers=[SDPA])),
+        "scaling": (_plan(name="scaling", n=[8 * K, 16 * K, 32 * K], ranks=[1, 2], peers=["gemm"]),),
+        "strategies": (_plan(name="strategies", n=[8 * K], ranks=[2], heads=2, kv_heads=2, impl=every_strategy,
+                             peers=["gemm"]),
+                       _plan(name="causal", n=[16 * K], ranks=[1, 2], causal="on", layout="zigzag",
+                             peers=["gemm"])),
+        "products": (_plan(name="products", n=[], ranks=[1, 2], products=["nt", "nn", "tn"],
+                           product_n=[8 * K, 16 * K], peers=["gemm"]),),
+        # the library's default engine: the torch engine's library alone (about 190 MiB) exceeds the 100 MiB cap
+        "memory": (_plan(name="memory", n=[], ranks=[], peers=[], memory_curve=True),),
+    }
+    # everything the committed results need (issue 3's table, the targets, scaling, strategies,
+    # products, the memory curve) in one command that fits a 2-core, 24 GiB machine
+    suites["full"] = (_plan(name="issue3+targets", n=[16 * K, 32 * K, 64 * K], ranks=[1, 2],
+                            peers=["gemm", DENSE, SDPA], peers_n=[16 * K, 32 * K]),
+                      *suites["strategies"], *suites["products"], *suites["memory"])
+    return suites
+
+
+#: Presets: each suite is a tuple of plans; explicit command-line options override every plan.
+SUITES: Mapping[str, tuple[Plan, ...]] = types.MappingProxyType(_suites())
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("name", "peers_n"))
 
@@ -109,8 +115,6 @@ def plans_for(suite: str, overrides: dict[str, Any]) -> list[Plan]:
     """The plans of ``suite`` with ``overrides`` (fields of :class:`Plan`; None = keep the preset's)."""
     given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in overrides.items()
              if k in _FIELDS and v is not None}
-    if "peers" in given:
-        given["peers"] = tuple(OLD_NAMES.get(p, p) for p in given["peers"])
     out = []
     for preset in SUITES[suite]:
         plan = dataclasses.replace(preset, **given)
@@ -124,8 +128,7 @@ def build_tasks(plans: list[Plan], device: str = "cpu", check_finite: bool = Fal
                 gemm_size: int = 2048) -> tuple[list[tuple[int, Task]], list[Plan]]:
     """``[(P, task), ...]`` to run, and the memory-curve plans.
 
-    Each strategy of :data:`~mpiattn.bench.tasks.ENGINE_IMPLS` runs once per
-    engine of the plan (the others once, without ``engine=``). With the
+    Each strategy runs once per engine of the plan. With the
     ``gemm`` peer every attention task measures its GEMM ceilings itself, in
     the same process right after its timings, so that a change of load on
     the machine cannot skew the fractions. Products with ``nt`` at ``P >= 2``
@@ -142,11 +145,10 @@ def build_tasks(plans: list[Plan], device: str = "cpu", check_finite: bool = Fal
                                            gemm_size=gemm_size)
                 for P in plan.ranks:
                     for impl in plan.impl:
-                        engines = plan.engines if impl in ENGINE_IMPLS else (None,)
-                        for engine in dict.fromkeys(engines):
+                        for engine in dict.fromkeys(plan.engines):
                             tasks.append((P, base.replace(impl=impl, engine=engine)))
                 if plan.peers_n is None or N in plan.peers_n:
-                    for peer in ("dense", "torch"):
+                    for peer in PEERS:
                         if peer in peers:
                             tasks.append((1, base.replace(impl=peer)))
         ops = [o for o in plan.products if o != "none"]

@@ -17,12 +17,13 @@ hidden, 0: not at all). Both use the bench's one harness,
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
 
+from .. import backend
 from ..layouts import local_length
-from .inputs import draw
 from .memory import MemoryMeter
 from .tasks import Settings, Task
 from ..timing import Timer
@@ -30,12 +31,17 @@ from ..timing import Timer
 __all__ = ["SHAPES", "product_task", "overlap_task"]
 
 #: op -> (shape of a, of b, of x, of y) for the distributed call (a, b) and the local one (x, y).
-SHAPES = {
+SHAPES = types.MappingProxyType({
     "nt": lambda n, m, N, M, d: ((n, d), (m, d), (n, d), (d, M)),
     "nn": lambda n, m, N, M, d: ((n, M), (m, d), (n, M), (M, d)),
     "tn": lambda n, m, N, M, d: ((m, N), (m, d), (m, N), (m, d)),
-}
+})
 _TAG = 77
+
+
+def draw(xp: Any, rng: np.random.Generator, shape: tuple, dtype: str) -> Any:
+    """Standard normal numbers of ``shape`` in ``dtype``, drawn on the host, in namespace ``xp``."""
+    return backend.to_device(rng.standard_normal(shape, dtype=np.float32).astype(dtype), xp)
 
 
 def product_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMeter) -> list[dict]:

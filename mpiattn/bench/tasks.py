@@ -1,57 +1,42 @@
-"""What one benchmark case is: a :class:`Task`, the run :class:`Settings`, the nominal FLOPs.
+"""What one benchmark case is: a :class:`Task`, the run's :class:`Settings`, its call and FLOPs.
 
-A :class:`Task` names one workload and its global sizes; the launcher writes
-a list of them, with the :class:`Settings` of the run, to the JSON file that
-a worker job (``python -m mpiattn.bench --worker FILE``) reads back
-(:func:`write_job` / :func:`read_job`). Every record a workload returns starts
-from :meth:`Task.to_dict`, so the task's fields are the keys that identify a
-case in the results.
-
-Workloads
----------
-``attention``
-    ``impl`` is an mpiattn strategy (:data:`STRATEGY_IMPLS`), ``dense`` (a
-    single-process attention that materialises the scores, written the
-    plain way) or ``torch`` (``torch.nn.functional.scaled_dot_product_attention``);
-    ``engine`` the local engine passed to :func:`mpiattn.attention`
-    (``None``: the keyword is not passed at all).
-``gemm_square``, ``gemm_tile``
-    GEMM ceilings: a square ``numpy.matmul`` and attention's own tile shapes.
-``product``
-    :func:`mpiattn.matmul_nt` / ``nn`` / ``tn`` beside a local matmul.
-``overlap``
-    one ring step of ``matmul_nt``: transfer alone, matmul alone, both.
-``baseline``
-    the resident size of a worker before any large input (memory floor).
+A :class:`Task` names one workload and its global sizes; the launcher hands
+a list of them, with the run's :class:`Settings`, to a worker job in a JSON
+file (:func:`write_job` / :func:`read_job`). Every record starts from
+:meth:`Task.to_dict`: the task's fields identify a case in the results.
+Workloads: ``attention`` (a strategy of the registry or a peer), the GEMM
+ceilings ``gemm_square`` and ``gemm_tile``, the products ``product`` and
+``overlap`` (one ring step), and ``baseline`` (a worker's memory floor).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Task", "Settings", "STRATEGY_IMPLS", "SINGLE_PROCESS", "IMPLS", "ENGINES", "ENGINE_IMPLS",
-           "OLD_NAMES", "PASSES", "WORKLOADS", "visible_pairs", "attention_flops", "tile_key",
-           "write_job", "read_job"]
+from ..kernels import DEFAULT_TILE, engines
+from ..strategies import registry
+from ..strategies.spec import AttentionSpec, Options
 
-#: mpiattn strategies the bench can time.
-STRATEGY_IMPLS = ("ring", "allgather", "ulysses", "materialized", "auto")
-#: Single-process peers: they compute the whole problem in one process (run at P = 1 only).
-SINGLE_PROCESS = ("dense", "torch")
-IMPLS = STRATEGY_IMPLS + SINGLE_PROCESS
-#: Local engines of issue 11 (``attention(..., engine=...)``).
-ENGINES = ("auto", "native", "torch")
-#: Strategies that hand their blocks to an engine (materialized goes through the products).
-ENGINE_IMPLS = ("ring", "allgather", "ulysses", "auto")
-#: Names of earlier releases, mapped when read (CLI values and saved records).
-OLD_NAMES = {"reference": "dense"}
+__all__ = ["Task", "Settings", "DENSE", "SDPA", "PEERS", "IMPLS", "PASSES", "WORKLOADS", "MiB", "visible_pairs",
+           "attention_flops", "tile_key", "write_job", "read_job"]
+
+MiB = 2**20
+
+#: The single-process peers (they compute the whole problem in one process, at P = 1 only):
+#: the library's dense reference, and torch's ``scaled_dot_product_attention``.
+DENSE, SDPA = "dense", "torch"
+PEERS = (DENSE, SDPA)
+#: What an ``attention`` task may time: the registry's strategies (``auto`` first), then the peers.
+IMPLS = registry.NAMES + PEERS
 PASSES = ("fwd", "fwdbwd")
 
 _SHAPE = ("B", "H", "Hkv", "N", "M", "E", "Ev", "dtype", "causal", "layout", "block", "device")
 #: The fields that belong to each workload (and so to its records).
-WORKLOADS: dict[str, tuple[str, ...]] = {
+WORKLOADS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "attention": ("workload", "impl", "engine") + _SHAPE + ("passes", "repeat", "warmup", "check_finite",
                                                             "ceilings", "gemm_size", "plan"),
     "gemm_square": ("workload", "dtype", "gemm_size", "repeat", "device", "plan"),
@@ -60,52 +45,38 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
                 "plan"),
     "overlap": ("workload", "N", "d", "dtype", "layout", "block", "rows", "repeat", "device", "plan"),
     "baseline": ("workload", "engine", "B", "H", "Hkv", "E", "Ev", "dtype", "layout", "block", "device"),
-}
+})
 
 
 @dataclass(frozen=True)
 class Task:
-    """One benchmark case (global sizes; every rank of the job runs it).
+    """One benchmark case in global sizes (every rank of the job runs it).
 
     Parameters
     ----------
     workload : str
         One of :data:`WORKLOADS`.
-    impl : str
-        For ``attention``: one of :data:`IMPLS`.
-    engine : str, optional
-        Local engine for the mpiattn strategies (``None``: not passed).
+    impl, engine : str, str or None
+        One of :data:`IMPLS`; an engine of :data:`mpiattn.kernels.engines.NAMES` (None: not passed).
     B, H, Hkv, N, M, E, Ev : int
-        Batch, query heads, key/value heads (default ``H``), query and key
-        rows (``M`` default ``N``), head dims (``Ev`` default ``E``).
-    dtype : str
-    causal : bool
-    layout : str
-    block : int, optional
-        Block size passed to mpiattn (default: the library's).
-    passes : tuple of str
-        Subset of :data:`PASSES`.
-    repeat, warmup : int
-        Timed calls (median) and untimed full-size calls before them.
-    device : {"cpu", "gpu"}
-    check_finite : bool
-        Keep the NaN/Inf check in timed calls.
-    ceilings : bool
-        Measure the GEMM ceilings right after the attention timings.
-    gemm_size : int
-        Edge of the square GEMM ceiling.
-    op, d : str, int
-        ``product``/``overlap``: which product, and its width.
-    rows : int, optional
-        ``overlap``: rows of ``a`` (default this rank's share of ``N``).
+        The call ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M, Ev)`` (``Hkv``
+        default ``H``, ``M`` default ``N``, ``Ev`` default ``E``).
+    dtype, causal, layout, block, device : str, bool, str, int or None, str
+        ``block``: the ``block_size`` passed (None: the engine's); ``device``: "cpu" or "gpu".
+    passes, repeat, warmup : tuple of str, int, int
+        The passes timed (of :data:`PASSES`), timed calls (median), untimed full-size calls first.
+    check_finite, ceilings, gemm_size : bool, bool, int
+        Keep the NaN/Inf check; measure the GEMM ceilings right after (square edge ``gemm_size``).
+    op, d, rows : str, int, int or None
+        Products: "nt", "nn" or "tn", the width, the rows of ``a`` (``overlap``).
     tile_key : tuple, optional
-        ``gemm_tile``: the key that attention records are matched with.
+        ``gemm_tile``: the key attention records are matched with (:func:`tile_key`).
     plan : str
         The preset plan the task came from (informative).
     """
 
     workload: str = "attention"
-    impl: str = "ring"
+    impl: str = "auto"
     engine: str | None = None
     B: int = 1
     H: int = 1
@@ -132,18 +103,13 @@ class Task:
     plan: str = ""
 
     def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"unknown benchmark workload {self.workload!r}; expected one of {', '.join(WORKLOADS)}")
-        impl = OLD_NAMES.get(self.impl, self.impl)
-        if impl not in IMPLS:
-            raise ValueError(f"unknown implementation {self.impl!r}; expected one of {', '.join(IMPLS)}")
-        if self.engine is not None and self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; expected one of {', '.join(ENGINES)}")
-        bad = [p for p in self.passes if p not in PASSES]
-        if bad:
-            raise ValueError(f"unknown pass {bad[0]!r}; expected {' or '.join(PASSES)}")
-        set_ = object.__setattr__          # frozen: defaults resolved once, here
-        set_(self, "impl", impl)
+        checks = (("benchmark workload", [self.workload], tuple(WORKLOADS)), ("implementation", [self.impl], IMPLS),
+                  ("engine", [self.engine], (None, *engines.NAMES)), ("pass", list(self.passes), PASSES))
+        for what, values, allowed in checks:
+            bad = [v for v in values if v not in allowed]
+            if bad:
+                raise ValueError(f"unknown {what} {bad[0]!r}; expected one of {', '.join(filter(None, allowed))}")
+        set_ = object.__setattr__  # frozen: defaults resolved once, here
         set_(self, "passes", tuple(self.passes))
         set_(self, "Hkv", self.H if self.Hkv is None else self.Hkv)
         set_(self, "M", self.N if self.M is None else self.M)
@@ -153,12 +119,24 @@ class Task:
 
     @property
     def single_process(self) -> bool:
-        """True for the peers that compute the whole problem in one process."""
-        return self.impl in SINGLE_PROCESS
+        """True for the peers, which compute the whole problem in one process."""
+        return self.impl in PEERS
 
     def replace(self, **changes: Any) -> "Task":
         """A copy with ``changes`` applied (:func:`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)
+
+    def options(self) -> Options:
+        """The keywords of the mpiattn call (a peer: ``strategy="auto"``, what a flash kernel resembles)."""
+        return Options(causal=self.causal, layout=self.layout, block_size=self.block,
+                       strategy="auto" if self.single_process else self.impl, engine=self.engine or "auto",
+                       check_finite=self.check_finite)
+
+    def spec(self) -> AttentionSpec:
+        """The call on global shapes, without arrays (for the registry's cost and memory models)."""
+        return AttentionSpec.from_shapes((self.B, self.H, self.N, self.E), (self.B, self.Hkv, self.M, self.E),
+                                         (self.B, self.Hkv, self.M, self.Ev), self.dtype, self.options(),
+                                         device="cupy" if self.device == "gpu" else "numpy")
 
     def to_dict(self) -> dict:
         """The fields of this task's workload, JSON-ready (tuples as lists)."""
@@ -171,8 +149,7 @@ class Task:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Task":
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown task field(s): {', '.join(unknown)}")
         return cls(**dict(d))
@@ -184,19 +161,14 @@ class Settings:
 
     Parameters
     ----------
-    seed : int
-        Seed of the random inputs (a generator per rank).
-    device : {"cpu", "gpu"}
-    threads : int
-        BLAS (and torch) threads per rank.
+    seed, device, threads : int, str, int
+        Seed of the inputs (a generator per rank); "cpu" or "gpu"; BLAS (and torch) threads per rank.
     cores : int
         Usable cores of the launching machine (marks oversubscribed records).
     max_memory : int, optional
-        Per-rank byte limit: a case whose estimate exceeds it is skipped.
-    fresh : bool
-        True when the job runs a single case (its memory high-water is its own).
-    timeout : float
-        Seconds the launcher waits for the job.
+        Per-rank bytes: a case whose estimate exceeds it is skipped.
+    fresh, timeout : bool, float
+        The job runs one case (its memory high-water is its own); seconds the launcher waits.
     """
 
     seed: int = 0
@@ -225,12 +197,12 @@ def read_job(path: str) -> tuple[Settings, list[Task], str]:
     return Settings(**doc["settings"]), [Task.from_dict(t) for t in doc["tasks"]], doc["out"]
 
 
-# ----------------------------------------------------------------- FLOPs
+# ----------------------------------------------------------------- FLOPs and tiles
 def visible_pairs(N: int, M: int, causal: bool) -> int:
     """Number of (query i, key j) pairs attended: ``N*M``, or ``#{j <= i}`` when causal."""
     if not causal:
         return N * M
-    full = max(0, min(N, M))        # rows i < M see i + 1 keys
+    full = max(0, min(N, M))  # rows i < M see i + 1 keys
     return full * (full + 1) // 2 + max(0, N - M) * M
 
 
@@ -248,9 +220,13 @@ def attention_flops(t: Task, pass_: str) -> float:
 
 
 def tile_key(r: Mapping[str, Any], P: int) -> tuple:
-    """Key of the tile-GEMM ceiling that applies to an attention task or record ``r`` at ``P`` ranks."""
-    T = int(r.get("block") or 512)
-    single = OLD_NAMES.get(r.get("impl"), r.get("impl")) in SINGLE_PROCESS
+    """Key of the tile-GEMM ceiling for an attention task or record ``r`` at ``P`` ranks.
+
+    The tile is the native engine's: ``block`` rows, else
+    :data:`mpiattn.kernels.DEFAULT_TILE`, at most a rank's rows.
+    """
+    T = int(r.get("block") or DEFAULT_TILE)
+    single = r.get("impl") in PEERS
     n = r["N"] if single else -(-r["N"] // P)
     m = r["M"] if single else -(-r["M"] // P)
     return (P, r["dtype"], r["B"], r["Hkv"], r["H"] // r["Hkv"], r["E"], r["Ev"], min(T, n), min(T, m),

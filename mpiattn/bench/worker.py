@@ -70,20 +70,26 @@ def run_task(c: Any, xp: Any, task: Task, settings: Settings, mem: MemoryMeter) 
     raise ValueError(f"unknown benchmark workload {kind!r}")
 
 
-def run_in_job(c: Any, tasks: Sequence[Task], settings: Settings, emit: Emit) -> None:
+def run_in_job(c: Any, tasks: Sequence[Task], settings: Settings, emit: Emit,
+               admit: Callable[[Task], str | None] | None = None) -> None:
     """Run ``tasks`` on every rank of ``c``; ``emit(records)`` is called on every rank after each.
 
     The first call emits the job's ``env`` record. Records are marked
     ``fresh`` (the job ran one case) and ``oversubscribed`` (more ranks times
-    threads than usable cores).
+    threads than usable cores). ``admit(task)``, called on every rank before
+    each task, may return why to skip it (the same answer on every rank).
     """
     xp = device_module(c, settings.device)
     mem = MemoryMeter(xp)
-    emit([dict(workload="env", P=c.size, **environment())])
+    emit([dict(workload="env", P=c.size, transport=c.transport, **environment())])
     oversub = c.size * settings.threads > settings.cores
     for t in tasks:
-        with c.abort_on_error():
-            recs = run_task(c, xp, t, settings, mem)
+        why = admit(t) if admit is not None else None
+        if why is not None:
+            recs = [dict(t.to_dict(), P=c.size, status="skipped", reason=why)]
+        else:
+            with c.abort_on_error():
+                recs = run_task(c, xp, t, settings, mem)
         for rec in recs:
             rec.setdefault("P", c.size)
             rec["fresh"] = settings.fresh

@@ -1,10 +1,11 @@
 """The workloads of ``mpiattn bench`` at tiny sizes, on every rank (never asserting timings).
 
 What is checked against independent numbers: the bytes on the wire (read
-from ``Comm.bytes_sent``, against the ring's cost formula), the FLOP counts
-(against a brute-force count of visible pairs), the dense peer (against the
-float64 :func:`mpiattn.cli.check.exact_attention`), the ``--max-memory``
-guard, the ceilings, products and both single-process peers.
+from ``Comm.bytes_sent``, against the ring's cost formula and the registry's
+cost model), the FLOP counts (against a brute-force count of visible pairs),
+both single-process peers (against the tests' own float64 dense attention),
+the ``--max-memory`` guard and the registry's refusal of a call, the
+ceilings and the products.
 """
 
 import argparse
@@ -13,10 +14,13 @@ import re
 import numpy as np
 import pytest
 
+from helpers import dense_attention, visible_matrix
 from mpiattn.bench import app, ceilings, memory, workloads
 from mpiattn.bench.tasks import Settings, Task, attention_flops, tile_key, visible_pairs
 from mpiattn.bench.worker import run_in_job
 from mpiattn.layouts import local_length
+from mpiattn.strategies import registry
+from mpiattn.timing import Timer
 
 
 def _task(P, **kw):
@@ -46,6 +50,8 @@ def test_ring_records_and_bytes_on_the_wire(comm, xp):
     recs = _run(comm, xp, [t])
     assert [r["pass"] for r in recs] == ["fwd", "fwdbwd"]
     assert all(r["status"] == "ok" and r["P"] == P and r["engine"] is None for r in recs)
+    assert all(r["strategy_used"] == "ring" and r["engine_used"] == "native" and r["block_size_used"] == 32
+               for r in recs)
     fwd, both = recs
     # every rank forwards all key/value rows except its successor's (k and v in float32);
     # the backward sends them again plus the dK, dV accumulators of the P-1 foreign blocks
@@ -74,6 +80,8 @@ def test_forward_bytes_are_the_ring_formula(comm, xp, dtype, itemsize):
     (rec,) = _run(comm, xp, [t])
     m = t.M // P
     assert rec["bytes_sent_per_rank"] == (P - 1) * m * t.Hkv * (t.E + t.Ev) * itemsize
+    assert rec["cost_words"] * itemsize == rec["bytes_sent_per_rank"]     # the registry's model, exact here
+    assert rec["cost_steps"] == P - 1
     calls = t.warmup + t.repeat + 1                       # and one small warm-up problem
     assert comm.bytes_sent - before >= calls * rec["bytes_sent_per_rank"]
 
@@ -82,6 +90,19 @@ def test_memory_guard_skips_without_running(comm, xp):
     recs = _run(comm, xp, [_task(comm.size)], max_memory=1)
     assert [r["status"] for r in recs] == ["skipped", "skipped"]
     assert all("--max-memory" in r["reason"] and "time_s" not in r for r in recs)
+    strategy = registry.get("ring")
+    spec = _task(comm.size).spec()
+    assert [r["est_bytes"] for r in recs] == [strategy.memory(spec, comm.size, 32, b) for b in (False, True)]
+
+
+def test_a_call_the_strategy_refuses_is_skipped(comm, xp):
+    """ulysses splits heads: H = 1 on P >= 2 ranks is refused by the registry, before anything runs."""
+    recs = _run(comm, xp, [_task(comm.size, impl="ulysses", H=1, Hkv=1)])
+    if comm.size == 1:
+        assert [r["status"] for r in recs] == ["ok", "ok"] and recs[0]["strategy_used"] == "ulysses"
+    else:
+        assert [r["status"] for r in recs] == ["skipped", "skipped"]
+        assert all(r["reason"].startswith("strategy 'ulysses' needs the query heads H = 1") for r in recs)
 
 
 def test_ceilings_and_products_run(comm, xp):
@@ -111,6 +132,7 @@ def test_ceilings_attached_to_attention(comm, xp):
     measured = [r for r in recs if r["workload"] in ("gemm_square", "gemm_tile")]
     assert all(r["gemm_square_gflops_here"] > 0 and r["gemm_tile_gflops_here"] > 0 for r in timed)
     assert {r["measured_with"] for r in measured} == {f"ring N={96 * comm.size}"}
+    assert {r["tile_key"][-3:-1] == [32, 32] for r in measured if r["workload"] == "gemm_tile"} == {True}
 
 
 def test_dense_peer_runs_at_one_rank(comm, xp):
@@ -132,43 +154,39 @@ def test_torch_peer_runs_at_one_rank(comm, xp):
         return
     fwd, both = recs
     assert fwd["status"] == "ok" and both["status"] == "ok"
-    assert fwd["time_s"] > 0 and both["time_s"] > 0 and len(both["times_fwd_grad_s"]) == 1
-    assert both["note"].startswith("torch fwd+bwd")
+    assert fwd["time_s"] > 0 and both["time_s"] > 0 and len(both["times_s"]) == 1
+    assert both["note"].startswith("fwd+bwd: one call") and "cost_words" not in fwd
+
+
+def _problem(seed=4):
+    rng = np.random.default_rng(seed)
+    shapes = ((1, 2, 24, 8), (1, 1, 20, 8), (1, 1, 20, 4), (1, 2, 24, 4))
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    want = dense_attention(q, k, v, visible_matrix(1, 24, 20, causal=True)[:, None], dO=dout)
+    return (q, k, v, dout), want
 
 
 def test_torch_peer_is_attention(xp):
     torch = pytest.importorskip("torch")
     if xp is not np:
         pytest.skip("checked on NumPy inputs")
-    from mpiattn.cli.check import exact_attention
-
-    t = Task(impl="torch", H=2, Hkv=1, N=24, M=20, E=8, Ev=4, causal=True)
-    rng = np.random.default_rng(4)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 24, 8), (1, 1, 20, 8), (1, 1, 20, 4)))
-    dout = rng.standard_normal((1, 2, 24, 4)).astype(np.float32)
-    impl = workloads.torch_impl(t)
-    out = impl.forward(q, k, v)
-    dq, dk, dv = impl.backward(dout, q, k, v, impl.autograd_forward(q, k, v))
-    ref = exact_attention(q, k, v, dout, causal=True)
-    for got, want in ((out, ref.out), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
-        np.testing.assert_allclose(torch.as_tensor(got).numpy(), want, rtol=2e-4, atol=2e-5)
+    (q, k, v, dout), (out, _, dq, dk, dv) = _problem()
+    impl = workloads.torch_impl(Task(impl="torch", H=2, Hkv=1, N=24, M=20, E=8, Ev=4, causal=True))
+    got = [impl.forward(q, k, v), *impl.both(dout, q, k, v)]
+    for g, want in zip(got, (out, dq, dk, dv)):
+        np.testing.assert_allclose(torch.as_tensor(g).numpy(), want, rtol=2e-4, atol=2e-5)
 
 
-def test_dense_implementation_is_attention():
-    from mpiattn.cli.check import exact_attention
-
-    rng = np.random.default_rng(3)
-    t = Task(impl="dense", H=2, Hkv=1, N=24, M=20, E=8, Ev=4, causal=True)
-    q = rng.standard_normal((1, 2, 24, 8)).astype(np.float32)
-    k = rng.standard_normal((1, 1, 20, 8)).astype(np.float32)
-    v = rng.standard_normal((1, 1, 20, 4)).astype(np.float32)
-    dout = rng.standard_normal((1, 2, 24, 4)).astype(np.float32)
-    impl = workloads.dense_impl(t)
-    res = impl.forward(q, k, v)
-    dq, dk, dv = impl.backward(dout, q, k, v, res)
-    ref = exact_attention(q, k, v, dout, causal=True)
-    for got, want in ((res[0], ref.out), (res[1], ref.lse), (dq, ref.dq), (dk, ref.dk), (dv, ref.dv)):
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+def test_dense_peer_is_attention_in_the_accumulation_dtype():
+    """The dense peer is the library's reference, every row at once, in float32 for float16 inputs."""
+    (q, k, v, dout), (out, lse, dq, dk, dv) = _problem(3)
+    impl = workloads.implementation(None, Task(impl="dense", H=2, Hkv=1, N=24, M=20, E=8, Ev=4, causal=True,
+                                               dtype="float16"))
+    half = [x.astype(np.float16) for x in (q, k, v, dout)]
+    fwd, both = impl.forward(*half[:3]), impl.forward_backward(half[3], *half[:3])
+    assert fwd.out.dtype == np.float32 and fwd.dq is None and both.dq.dtype == np.float32
+    for got, want in ((fwd.out, out), (fwd.lse, lse), (both.dq, dq), (both.dk, dk), (both.dv, dv)):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_visible_pairs_and_sizes():
@@ -192,8 +210,6 @@ def test_visible_pairs_and_sizes():
 
 
 def test_ceiling_rate_batches_short_calls(comm):
-    from mpiattn.bench.timing import Timer
-
     calls = []
     # min_time far above one call plus its barriers (about a millisecond on a loaded box)
     rate, times, rate_cpu = ceilings.gemm_rate(Timer(comm), lambda: calls.append(1), 1e6, repeat=3, min_time=0.5)

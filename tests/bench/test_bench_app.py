@@ -36,9 +36,10 @@ def test_cli_launches_workers_and_saved_results_report_and_plot(serial_only, tmp
     assert rc == 0, stdout + stderr
     recs = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert any(r["workload"] == "env" and "blas" in r for r in recs)
-    ring = [r for r in recs if r["workload"] == "attention" and r["impl"] == "ring"]
-    assert {r["pass"] for r in ring} == {"fwd", "fwdbwd"} and all(r["fresh"] and r["status"] == "ok" for r in ring)
-    assert {r["impl"] for r in recs if r["workload"] == "attention"} == {"ring", "dense"}
+    auto = [r for r in recs if r["workload"] == "attention" and r["impl"] == "auto"]
+    assert {r["pass"] for r in auto} == {"fwd", "fwdbwd"} and all(r["fresh"] and r["status"] == "ok" for r in auto)
+    assert {r["strategy_used"] for r in auto} == {"ring"}
+    assert {r["impl"] for r in recs if r["workload"] == "attention"} == {"auto", "dense"}
     assert not any("frac_ideal" in r for r in recs)               # saved as measured, derived on loading
     from mpiattn.bench import report
     loaded = [r for r in report.load([str(out)]) if r["workload"] == "attention"]
@@ -60,12 +61,13 @@ def test_help_and_listing(serial_only):
     assert rc == 0, err
     words = " ".join(text.split())                                   # help lines wrap with the terminal
     assert "--engines" in words and "dense (materialising, 1 process)" in words
+    assert "auto, ring, allgather, ulysses, materialized (default auto)" in words    # the registry's names
     rc, text, err = _py("-m", "mpiattn.bench", "--suite", "engines", "--list")
     assert rc == 0, err
     lines = text.splitlines()
-    assert "ring/native N=16384 P=1 [engines]" in lines[0] and "ring/torch N=16384 P=1 [engines]" in lines[1]
-    rc, text, err = _py("-m", "mpiattn", "bench", "--peers", "reference", "--list")   # the old name still reads
-    assert rc == 0 and "dense N=4096 P=1 [quick]" in text, err
+    assert "auto/native N=16384 P=1 [engines]" in lines[0] and "auto/torch N=16384 P=1 [engines]" in lines[1]
+    rc, text, err = _py("-m", "mpiattn", "bench", "--impl", "ulysses", "--ranks", "2", "--list")
+    assert rc == 0 and "ulysses N=4096 P=2 [quick]  skipped: strategy 'ulysses' needs the query heads" in text, err
     rc, text, err = _py("-m", "mpiattn", "bench", "--engines", "fast", "--list")
     assert rc == 2 and "'fast' is not one of auto, native, torch" in err
 
@@ -83,24 +85,44 @@ def test_in_job_mode_under_mpiexec(serial_only):
                                "--ranks", "2", "--peers", "none", "--products", "none", "--repeat", "1",
                                "--warmup", "0", "--passes", "fwd", "--quiet"], 180, env=_env(), cwd=REPO)
     assert rc == 0, text + err
-    rows = [ln.split() for ln in text.splitlines() if ln.startswith("ring")]
-    assert len(rows) == 1 and rows[0][1:4] == ["fwd", "2", "256"]
+    rows = [ln.split() for ln in text.splitlines() if ln.startswith("auto(ring, native)")]
+    assert len(rows) == 1 and rows[0][2:5] == ["fwd", "2", "256"]
 
 
 def test_gpu_suite_on_the_fake_cupy(serial_only, tmp_path):
     """The GPU suite's code paths on ``tests/fake_cupy.py`` (what ``jobs/gpu_check.sh --dry-run`` runs)."""
     rc, text, err = _py("-m", "mpiattn.bench.gpu", "--out", str(tmp_path), "--sizes", "256,512", "--dims", "16",
-                        "--dtypes", "float32", "--block", "64", "--no-torch", "--budget-s", "60",
-                        "--engines", "default,native", PYTHONPATH=os.path.join(REPO, "tests", "fake_site"))
+                        "--dtypes", "float32", "--block", "64", "--budget-s", "120", "--engines", "default,native",
+                        PYTHONPATH=os.path.join(REPO, "tests", "fake_site"), timeout=300)
     assert rc == 0, text + err
-    doc = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert doc["meta"]["gpu"].startswith("fake GPU") and doc["meta"]["torch_compared"] is False
-    results = doc["results"]
-    assert [(r["N"], r["engine"]) for r in results] == [(256, None), (256, "native"), (512, None), (512, "native")]
-    for r in results:
-        assert r["status"] == "ok", r
-        assert r["fwd_s"] > 0 and r["fwdbwd_s"] > 0 and r["gemm_tflops"] > 0
+    recs = [json.loads(ln) for ln in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
+    env = [r for r in recs if r["workload"] == "env"]
+    assert len(env) == 1 and env[0]["gpu"].startswith("fake GPU") and env[0]["transport"] == "staged"
+    assert [r["workload"] for r in recs].count("fused") == 1      # (its fused kernels need a real GPU)
+    timed = [r for r in recs if r["workload"] == "attention"]
+    assert [(r["impl"], r["N"], r["engine"], r["pass"]) for r in timed] == [
+        (impl, N, engine, p) for N in (256, 512) for impl, engine in (("auto", None), ("auto", "native"),
+                                                                       ("torch", None)) for p in ("fwd", "fwdbwd")]
+    for r in timed:
+        if r["impl"] == "torch":          # torch on the fake GPU's (host) arrays, where it is installed
+            assert r["status"] == "ok" or "torch not importable" in r["reason"], r
+            continue
+        assert r["status"] == "ok" and r["device"] == "gpu" and r["time_s"] > 0, r
+        assert r["strategy_used"] == "ring" and r["gemm_square_gflops_here"] > 0 and r["repeat"] == (
+            3 if r["N"] == 256 else 1)
     assert "done in" in text
+    rc, table, err = _py("-m", "mpiattn.bench.report", str(tmp_path / "gpu_bench.jsonl"))
+    assert rc == 0 and "attention  float32  B=1 H=8 Hkv=8 E=16 Ev=16" in table and "gpu" in table, err
+
+
+def test_gpu_suite_keeps_to_its_budget(serial_only, tmp_path):
+    rc, text, err = _py("-m", "mpiattn.bench.gpu", "--out", str(tmp_path), "--sizes", "256", "--dims", "16",
+                        "--dtypes", "float32", "--block", "64", "--no-torch", "--budget-s", "1",
+                        PYTHONPATH=os.path.join(REPO, "tests", "fake_site"))
+    assert rc == 0, text + err
+    recs = [json.loads(ln) for ln in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
+    (case,) = [r for r in recs if r.get("impl") == "auto"]
+    assert case["status"] == "skipped" and case["reason"].startswith("budget: ")
 
 
 def test_only_the_entry_points_print():

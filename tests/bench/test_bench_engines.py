@@ -1,22 +1,17 @@
-"""Engines side by side (issue 11): ``engine=`` reaches attention only when a task names one.
+"""Engines side by side: ``engine=`` reaches attention as the task names it, and the records say what ran.
 
-Until ``mpiattn.strategies.attention`` takes ``engine=``, the engine path is
-checked with a stand-in that does (it records the keyword and calls the real
-function without it), and the real function's refusal is checked to turn
-into ``skipped`` records. Once the keyword exists, the real engines run.
+The bench passes the task's :class:`mpiattn.Options` whole; a stand-in for
+:func:`mpiattn.strategies.attention` records the options it receives, so
+what the bench asks for is checked apart from what the library does with it.
 """
-
-import inspect
 
 import numpy as np
 import pytest
 
 from mpiattn import strategies
-from mpiattn.bench import workloads
 from mpiattn.bench.tasks import Settings, Task
 from mpiattn.bench.worker import run_in_job
-
-_HAS_ENGINE = "engine" in inspect.signature(strategies.attention).parameters
+from mpiattn.kernels import engines
 
 
 def _run(comm, xp, tasks):
@@ -30,51 +25,52 @@ def _task(P, **kw):
 
 
 @pytest.fixture
-def engine_aware(monkeypatch):
-    """attention/attention_backward that take ``engine=`` (recorded) and compute as today."""
-    seen = []
+def seen(monkeypatch):
+    """attention/attention_backward that record the options they get and compute as usual."""
+    calls = []
     real_fwd, real_bwd = strategies.attention, strategies.attention_backward
 
-    def attention(q, k, v, comm=None, *, engine=None, **kw):
-        seen.append(("fwd", engine))
-        return real_fwd(q, k, v, comm, **kw)
+    def attention(q, k, v, comm=None, *, options, **kw):
+        calls.append(("fwd", options.strategy, options.engine))
+        return real_fwd(q, k, v, comm, options=options, **kw)
 
-    def attention_backward(dout, q, k, v, out, lse, comm=None, *, engine=None, **kw):
-        seen.append(("bwd", engine))
-        return real_bwd(dout, q, k, v, out, lse, comm, **kw)
+    def attention_backward(dout, q, k, v, out, lse, comm=None, *, options, **kw):
+        calls.append(("bwd", options.strategy, options.engine))
+        return real_bwd(dout, q, k, v, out, lse, comm, options=options, **kw)
 
     monkeypatch.setattr(strategies, "attention", attention)
     monkeypatch.setattr(strategies, "attention_backward", attention_backward)
-    return seen
+    return calls
 
 
-def test_engines_reach_attention_only_when_named(comm, xp, engine_aware):
-    assert workloads.engines_supported()
-    recs = _run(comm, xp, [_task(comm.size, engine="native"), _task(comm.size, engine="torch"), _task(comm.size)])
-    assert [(r["engine"], r["pass"], r["status"]) for r in recs] == [
-        ("native", "fwd", "ok"), ("native", "fwdbwd", "ok"), ("torch", "fwd", "ok"), ("torch", "fwdbwd", "ok"),
-        (None, "fwd", "ok"), (None, "fwdbwd", "ok")]
-    # warm-up problem, one timed forward, one timed backward per task
-    assert engine_aware == [(p, e) for e in ("native", "torch", None) for p in ("fwd", "bwd", "fwd", "bwd")]
+def test_engines_reach_attention_as_named(comm, xp, seen):
+    recs = _run(comm, xp, [_task(comm.size, engine="native"), _task(comm.size, engine="auto"),
+                           _task(comm.size).replace(impl="auto")])
+    assert [(r["impl"], r["engine"], r["pass"], r["status"]) for r in recs] == [
+        ("ring", "native", "fwd", "ok"), ("ring", "native", "fwdbwd", "ok"), ("ring", "auto", "fwd", "ok"),
+        ("ring", "auto", "fwdbwd", "ok"), ("auto", None, "fwd", "ok"), ("auto", None, "fwdbwd", "ok")]
+    # warm-up problem (forward + backward), one timed forward, one timed backward per task;
+    # no engine named: the options' default, "auto"
+    assert seen == [(p, s, e) for s, e in (("ring", "native"), ("ring", "auto"), ("auto", "auto"))
+                    for p in ("fwd", "bwd", "fwd", "bwd")]
+    assert {r["engine_used"] for r in recs} == {engines.AUTO[0]}
+    assert {r["strategy_used"] for r in recs} == {"ring"}        # what auto picks here
 
 
-def test_engine_on_a_strategy_without_engines_is_skipped(comm, xp, engine_aware):
-    recs = _run(comm, xp, [_task(comm.size, engine="torch").replace(impl="materialized")])
-    assert {r["status"] for r in recs} == {"skipped"}
-    assert all(r["reason"] == "engines apply to ring, allgather, ulysses, auto, not materialized" for r in recs)
-    assert engine_aware == []
+def test_every_registered_engine_runs_or_says_why(comm, xp):
+    tasks = [_task(comm.size, engine=name) for name in engines.ENGINES]
+    recs = _run(comm, xp, tasks)
+    assert [r["engine"] for r in recs] == [name for name in engines.ENGINES for _ in range(2)]
+    for r in recs:
+        why = engines.get(r["engine"]).usable("cupy" if xp is not np else "numpy")
+        if why is None:
+            assert r["status"] == "ok" and r["engine_used"] == r["engine"], r
+        else:                                                    # e.g. torch not installed
+            assert r["status"] == "skipped" and why in r["reason"], r
 
 
-@pytest.mark.skipif(_HAS_ENGINE, reason="attention() takes engine= now (issue 11 merged): nothing to refuse")
-def test_attention_without_the_keyword_gives_skipped_records(comm, xp):
-    assert not workloads.engines_supported()
-    recs = _run(comm, xp, [_task(comm.size, engine="native")])
-    assert [r["pass"] for r in recs] == ["fwd", "fwdbwd"]
-    assert all(r["status"] == "skipped" and "engine= keyword" in r["reason"] for r in recs)
-
-
-@pytest.mark.skipif(not _HAS_ENGINE, reason="attention() takes no engine= keyword yet (issue 11 not merged)")
-def test_real_engines_run(comm, xp):
-    recs = _run(comm, xp, [_task(comm.size, engine="native"), _task(comm.size, engine="auto")])
-    assert [r["status"] for r in recs] == ["ok"] * 4
-    assert [r["engine"] for r in recs] == ["native", "native", "auto", "auto"]
+def test_an_engine_unusable_here_is_skipped_on_every_rank(comm, xp, monkeypatch):
+    engine = engines.get("torch")
+    monkeypatch.setattr(type(engine), "usable", lambda self, device: "no torch here (a test)")
+    recs = _run(comm, xp, [_task(comm.size, engine="torch")])
+    assert [(r["status"], r["reason"]) for r in recs] == [("skipped", "no torch here (a test)")] * 2

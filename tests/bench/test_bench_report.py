@@ -38,6 +38,7 @@ def test_derived_fractions_scaling_and_targets():
     assert torch["met"] and torch["measured"] == pytest.approx(60 / 50)
     two = targets["ring fwd N=32k: 2 ranks vs 1"]
     assert not two["met"] and two["measured"] == pytest.approx(100 / 60)
+    assert not any(name.startswith("torch") for name in targets)          # peers get no targets
     assert "targets" in report.format_table(recs + extra)
 
 
@@ -54,26 +55,34 @@ def test_fraction_of_ideal_uses_the_fastest_single_process_time_of_the_same_run(
     assert other["frac_ideal"] == pytest.approx(1.0) and "frac_ideal" not in causal
 
 
-def test_engines_side_by_side_and_issue11_targets():
+def test_engines_side_by_side_and_their_targets():
+    """Every implementation (strategy, engine) gets the targets; labels say what mpiattn chose."""
     recs = [_att(N=16384, M=16384, impl="torch", time_s=1.0),
-            _att(N=16384, M=16384, engine="torch", time_s=1.02), _att(N=16384, M=16384, engine="native", time_s=1.5),
-            _att(N=16384, M=16384, engine="torch", P=2, time_s=0.55),
-            _att(N=16384, M=16384, engine="native", P=2, time_s=0.8)]
+            _att(N=16384, M=16384, impl="auto", engine="torch", strategy_used="ring", engine_used="torch",
+                 time_s=1.02),
+            _att(N=16384, M=16384, impl="auto", strategy_used="ring", engine_used="native", time_s=1.5),
+            _att(N=16384, M=16384, impl="auto", engine="torch", strategy_used="ring", engine_used="torch", P=2,
+                 time_s=0.55),
+            _att(N=16384, M=16384, impl="auto", strategy_used="ring", engine_used="native", P=2, time_s=0.7,
+                 causal=True),
+            _att(N=16384, M=16384, impl="torch", time_s=1.2, causal=True)]
     extra = derive.derive(recs)
     assert recs[3]["frac_ideal"] == pytest.approx(1.0 / 1.1)
     targets = {r["name"]: r for r in extra if r["workload"] == "target"}
-    sdpa = targets["ring/torch fwd N=16k, 1 rank vs torch SDPA"]
-    assert sdpa["met"] and sdpa["measured"] == pytest.approx(1 / 1.02)
-    assert not targets["ring/native fwd N=16k, 1 rank vs torch SDPA"]["met"]
-    ideal = targets["ring/torch fwd N=16k, 2 ranks: fraction of ideal"]
-    assert ideal["met"] and ideal["measured"] == pytest.approx(1.0 / 1.1)
+    assert set(targets) == {"auto/torch(ring) fwd N=16k, 2 ranks: fraction of ideal",
+                            "auto(ring, native) fwd N=16k causal, 2 ranks: fraction of ideal"}
+    ideal = targets["auto/torch(ring) fwd N=16k, 2 ranks: fraction of ideal"]
+    assert ideal["met"] and ideal["measured"] == pytest.approx(1.0 / 1.1) and ideal["goal"] == ">= 85%"
+    causal = targets["auto(ring, native) fwd N=16k causal, 2 ranks: fraction of ideal"]
+    assert causal["met"] and causal["goal"] == ">= 80%" and causal["measured"] == pytest.approx(1.2 / 1.4)
     strong = {r["engine"]: r for r in extra if r["workload"] == "scaling"}
-    assert set(strong) == {"native", "torch"} and strong["torch"]["speedup"] == pytest.approx(1.02 / 0.55)
+    assert set(strong) == {"torch"} and strong["torch"]["speedup"] == pytest.approx(1.02 / 0.55)
     table = report.format_table(recs + extra)
     rows = [ln.split() for ln in table.splitlines()]
     labels = {(r[0], r[2]) for r in rows if len(r) > 3 and r[1] == "fwd"}
-    assert {("ring/torch", "1"), ("ring/native", "1"), ("ring/torch", "2"), ("torch", "1")} <= labels
-    assert "%idl" in table and " 91 " in table                       # ring/torch at P=2: 91 % of ideal
+    assert {("auto/torch(ring)", "1"), ("auto/torch(ring)", "2"), ("torch", "1")} <= labels
+    assert ("auto(ring,", "native)") in {(r[0], r[1]) for r in rows if len(r) > 3}
+    assert "%idl" in table and " 91 " in table                       # auto/torch at P=2: 91 % of ideal
 
 
 def test_old_records_load_with_todays_names(tmp_path):

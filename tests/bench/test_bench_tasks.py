@@ -8,20 +8,23 @@ from mpiattn.bench import launcher, presets
 from mpiattn.bench.launcher import largest_n, memory_curve
 from mpiattn.bench.memory import estimate_bytes
 from mpiattn.bench.tasks import WORKLOADS, Settings, Task, read_job, write_job
+from mpiattn.kernels import engines
+from mpiattn.kernels.reference import dense_nbytes
+from mpiattn.strategies import registry
 
 
 def test_task_defaults_and_validation():
     t = Task(H=4, N=100, E=16)
-    assert (t.Hkv, t.M, t.Ev, t.engine) == (4, 100, 16, None)
-    assert Task(impl="reference").impl == "dense"               # the old name reads as the new one
-    with pytest.raises(ValueError, match="unknown implementation 'flash'"):
+    assert (t.impl, t.Hkv, t.M, t.Ev, t.engine) == ("auto", 4, 100, 16, None)
+    strategies = ", ".join(registry.NAMES)
+    with pytest.raises(ValueError, match=f"unknown implementation 'flash'; expected one of {strategies}, dense, torch"):
         Task(impl="flash")
-    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+    with pytest.raises(ValueError, match=f"unknown engine 'fast'; expected one of {', '.join(engines.NAMES)}$"):
         Task(engine="fast")
     with pytest.raises(ValueError, match="unknown benchmark workload 'nap'"):
         Task(workload="nap")
-    with pytest.raises(ValueError, match="unknown pass 'bwd'"):
-        Task(passes=("bwd",))
+    with pytest.raises(ValueError, match="unknown pass 'bwd'; expected one of fwd, fwdbwd"):
+        Task(passes=("fwd", "bwd"))
     with pytest.raises(ValueError, match=r"unknown task field\(s\): colour"):
         Task.from_dict({"workload": "attention", "colour": "red"})
 
@@ -57,20 +60,33 @@ def test_every_preset_expands(suite):
             assert P == 1
         if t.workload == "attention":
             assert estimate_bytes(t, P, t.passes[0]) > 0
+            assert t.impl in registry.NAMES + ("dense", "torch") and t.engine in (None,) + engines.NAMES
 
 
 def test_overrides_and_engines_side_by_side():
     plans = presets.plans_for("strategies", dict(n=[512], ranks=[2], engines=["native", "torch"],
-                                                 peers=["reference"], impl=None))
+                                                 peers=["dense"], impl=None))
     tasks, _ = presets.build_tasks(plans)
     got = [(P, t.impl, t.engine) for P, t in tasks if not t.causal]
-    assert got == [(2, "ring", "native"), (2, "ring", "torch"), (2, "allgather", "native"),
-                   (2, "allgather", "torch"), (2, "ulysses", "native"), (2, "ulysses", "torch"),
-                   (2, "materialized", None), (1, "dense", None)]
-    assert all(t.N == 512 and not t.ceilings for _, t in tasks)      # "reference" peer read as dense, no gemm
+    assert got == [(2, s, e) for s in registry.STRATEGIES for e in ("native", "torch")] + [(1, "dense", None)]
+    assert all(t.N == 512 and not t.ceilings for _, t in tasks)      # no gemm peer: no ceilings
     default, _ = presets.build_tasks(presets.plans_for("quick", dict(n=[256])))
     assert {t.engine for _, t in default} == {None}
-    assert {t.impl for _, t in default if t.workload == "attention"} == {"ring", "dense", "torch"}
+    assert {t.impl for _, t in default if t.workload == "attention"} == {"auto", "dense", "torch"}
+    every, _ = presets.build_tasks(presets.plans_for("engines", {}))
+    assert {t.engine for _, t in every if t.impl == "auto"} == set(engines.ENGINES)
+
+
+def test_estimates_are_the_registrys():
+    t = Task(impl="ulysses", H=4, N=4096, E=32, block=256)
+    spec = t.spec()
+    assert estimate_bytes(t, 2, "fwdbwd") == registry.get("ulysses").memory(spec, 2, 256, True)
+    assert estimate_bytes(t.replace(impl="auto"), 1, "fwd") == registry.get("ring").memory(spec, 1, 256, False)
+    dense = t.replace(impl="dense", dtype="float16")
+    assert estimate_bytes(dense, 1, "fwd") == dense_nbytes((1, 4, 4096, 32), (1, 4, 4096, 32), (1, 4, 4096, 32),
+                                                           block_rows=None, itemsize=4)
+    with pytest.raises(ValueError, match="strategy 'ulysses' needs the query heads H = 4"):
+        estimate_bytes(t, 3, "fwd")
 
 
 def test_memory_curve_shrinks_until_the_cap_holds(monkeypatch):
@@ -80,7 +96,7 @@ def test_memory_curve_shrinks_until_the_cap_holds(monkeypatch):
 
     def fake_spawn(P, tasks, settings, log, mpiexec=None):
         (t,) = tasks
-        assert t.engine == "native"                               # the memory preset's engine, probe included
+        assert t.engine is None and t.impl in ("auto", "ring")    # the library's choice, probe included
         if t.workload == "baseline":
             return [dict(workload="baseline", status="ok", baseline_bytes=base)]
         runs.append(t.N)
@@ -91,7 +107,7 @@ def test_memory_curve_shrinks_until_the_cap_holds(monkeypatch):
 
     monkeypatch.setattr(launcher, "spawn", fake_spawn)
     (rec,) = memory_curve(plan, Settings(), lambda msg: None)
-    t = plan.attention_task(0, False, "cpu", False, impl="ring", engine="native").replace(passes=("fwdbwd",))
+    t = plan.attention_task(0, False, "cpu", False, impl="auto").replace(passes=("fwdbwd",))
     assert rec["N_estimate"] == largest_n(t, 2, 100 * 2**20 - base, 512) == runs[0]
     assert rec["status"] == "ok" and rec["attempts"] == 2 and runs[1] < runs[0]
     assert rec["N_verified"] == runs[1] and runs[1] % 512 == 0

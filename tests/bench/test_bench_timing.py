@@ -1,11 +1,12 @@
-"""The bench's one timing harness: barrier-delimited, counted calls, no module state."""
+"""The package's one timer (:mod:`mpiattn.timing`, the bench's harness): barrier-delimited, counted calls,
+no module state."""
 
 import time
 
 import numpy as np
 
-from mpiattn.bench import timing
-from mpiattn.bench.timing import Measurement, Timer, measure
+from mpiattn import timing
+from mpiattn.timing import Measurement, Timer, measure
 
 
 def _module_state():
