@@ -145,7 +145,9 @@ def build_tasks(plans: list[Plan], device: str = "cpu", check_finite: bool = Fal
                                            gemm_size=gemm_size)
                 for P in plan.ranks:
                     for impl in plan.impl:
-                        for engine in dict.fromkeys(plan.engines):
+                        # a strategy that runs no engine (the products) once, with the first
+                        uses = impl == "auto" or registry.get(impl).uses_engine
+                        for engine in tuple(dict.fromkeys(plan.engines))[:None if uses else 1]:
                             tasks.append((P, base.replace(impl=impl, engine=engine)))
                 if plan.peers_n is None or N in plan.peers_n:
                     for peer in PEERS:
