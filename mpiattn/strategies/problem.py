@@ -174,7 +174,7 @@ def _agree_engine(choices: list[tuple[str, str]], requested: str) -> tuple[str, 
     for r, (name, why) in enumerate(choices):
         if not name:
             raise ValueError(f"engine {requested!r} cannot run on rank {r}: {why}; use "
-                             "engine='native' or 'auto'")
+                             f"engine={engines.AUTO[0]!r} or 'auto'")
     return choices[0]
 
 

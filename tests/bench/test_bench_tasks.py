@@ -68,7 +68,9 @@ def test_overrides_and_engines_side_by_side():
                                                  peers=["dense"], impl=None))
     tasks, _ = presets.build_tasks(plans)
     got = [(P, t.impl, t.engine) for P, t in tasks if not t.causal]
-    assert got == [(2, s, e) for s in registry.STRATEGIES for e in ("native", "torch")] + [(1, "dense", None)]
+    want = [(2, name, e) for name, s in registry.STRATEGIES.items()
+            for e in (("native", "torch") if s.uses_engine else ("native",))]  # no engine: once
+    assert got == want + [(1, "dense", None)]
     assert all(t.N == 512 and not t.ceilings for _, t in tasks)      # no gemm peer: no ceilings
     default, _ = presets.build_tasks(presets.plans_for("quick", dict(n=[256])))
     assert {t.engine for _, t in default} == {None}

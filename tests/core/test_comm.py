@@ -89,3 +89,47 @@ def test_failing_rank_aborts_instead_of_hanging(serial_only, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "simulated failure on rank 1" in proc.stderr + proc.stdout
+
+
+@pytest.mark.mpi(min_size=2)
+def test_duplicates_are_freed_with_the_users_communicator(comm):
+    """5,000 communicators made, used and freed: MPICH runs out of context ids after about
+    2,000 live ones, so each duplicate must be freed with its user's communicator."""
+    if comm.size != 2:
+        pytest.skip("run at 2 ranks (the loop takes seconds; more ranks add nothing)")
+    from mpi4py import MPI
+
+    import mpiattn
+    from mpiattn.comm.core import find_comm
+
+    x = np.ones((1, 1, 3, 2))
+    for _ in range(5000):
+        user = comm.mpi.Dup()
+        out, _ = mpiattn.attention(x, x, x, user, engine="native")
+        assert find_comm(user) is get_comm(user)  # kept on the communicator itself
+        user.Free()
+    assert np.allclose(out, 1.0)
+    left = MPI.COMM_WORLD.Dup()  # a context id is still to be had
+    assert find_comm(left) is None  # and nothing is kept for a communicator never used
+    left.Free()
+
+
+def test_agreed_errors_carry_the_marker_and_keep_their_type(comm):
+    from mpiattn.comm import errors
+
+    for exc in (ValueError("v"), FileNotFoundError("f"), OSError(28, "full"), KeyError("k")):
+        marked = errors.mark(exc)
+        assert isinstance(marked, errors.Agreed) and isinstance(marked, type(exc))
+        assert str(marked) == str(exc) and type(marked).__name__ == type(exc).__name__
+    with pytest.raises(ValueError) as info:
+        with comm.collective_errors():
+            if comm.rank == comm.size - 1:
+                raise ValueError("only the last rank")
+    assert isinstance(info.value, errors.Agreed)
+    with pytest.raises(ValueError, match="ranks disagree on thing: rank 0 has 0, rank 2 has 1") as info:
+        errors.same_everywhere([0, 0, 1], "thing")  # (gathered values: the same on every rank)
+    assert isinstance(info.value, errors.Agreed)
+    with pytest.raises(RuntimeError) as info:
+        with errors.alike():
+            raise RuntimeError("decided on gathered data")
+    assert isinstance(info.value, errors.Agreed)

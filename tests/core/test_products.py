@@ -269,7 +269,7 @@ def test_bad_dtypes(comm, xp, op):
 def test_dtype_differs_between_ranks(comm, xp, op):
     dtype = np.float32 if comm.rank == 0 else np.float64
     a, b = _shards(op, xp, dtype=dtype)
-    raises_everywhere(comm, ValueError, f"ranks disagree on {op}'s dtype", lambda: FORWARD[op](a, b))
+    raises_everywhere(comm, ValueError, f"ranks disagree on matmul_{op}'s dtype", lambda: FORWARD[op](a, b))
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -299,10 +299,10 @@ def test_layout_or_block_size_differs_between_ranks(comm, xp, op):
     layout = "contiguous" if comm.rank == 0 else "zigzag"
     A, B = make(op, 8, 8, 3)
     a, b = xp.asarray(rows(A, layout)), xp.asarray(rows(B, layout))
-    raises_everywhere(comm, ValueError, f"ranks disagree on {op}'s layout",
+    raises_everywhere(comm, ValueError, f"ranks disagree on matmul_{op}'s layout",
                       lambda: FORWARD[op](a, b, layout=layout))
     a, b = _shards(op, xp)
-    raises_everywhere(comm, ValueError, f"ranks disagree on {op}'s block_size",
+    raises_everywhere(comm, ValueError, f"ranks disagree on matmul_{op}'s block_size",
                       lambda: FORWARD[op](a, b, block_size=comm.rank + 1))
 
 

@@ -223,7 +223,7 @@ def test_decide_rejects_bad_or_inconsistent_requests(comm, monkeypatch):
         gpu.decide_transport(comm)
     if comm.size > 1:
         monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged" if comm.rank else "nccl")
-        with pytest.raises(ValueError, match="differs between ranks"):
+        with pytest.raises(ValueError, match="ranks disagree on the requested GPU transport"):
             gpu.decide_transport(comm)
 
 
