@@ -27,7 +27,7 @@ from ..comm.node import usable_cores
 from .environment import available_memory, wait_idle
 from .memory import estimate_bytes
 from .presets import K, SUITES, build_tasks, plans_for
-from .tasks import PASSES, PEERS, MiB, Settings, Task
+from .tasks import PASSES, PEERS, MiB, Settings, Task, is_configured
 
 __all__ = ["add_arguments", "run", "main", "parse_count", "parse_size", "list_of", "positive", "choices",
            "engine_name"]
@@ -83,6 +83,11 @@ def choices(allowed: tuple[str, ...]) -> Any:
     return conv
 
 
+def strategy_name(x: str) -> str:
+    """A strategy of the registry, ``auto``, or one with its configuration (``hybrid:2x2``)."""
+    return x if is_configured(x) else choices(registry.NAMES)(x)
+
+
 def engine_name(x: str) -> str | None:
     """An engine name of the registry; ``default`` = do not pass ``engine=`` (the library's default)."""
     return None if x == "default" else choices(engines.NAMES)(x)
@@ -97,8 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="global sequence lengths N = M (4k = 4096)")
     g.add_argument("--ranks", type=list_of(positive), metavar="P[,P..]",
                    help="rank counts to launch (timings only up to the number of usable cores)")
-    g.add_argument("--impl", type=list_of(choices(registry.NAMES)), metavar="S[,S..]",
-                   help=f"mpiattn strategies to time: {', '.join(registry.NAMES)} (default auto)")
+    g.add_argument("--impl", type=list_of(strategy_name), metavar="S[,S..]",
+                   help=f"mpiattn strategies to time: {', '.join(registry.NAMES)}, hybrid:UxR splits "
+                        "(e.g. hybrid:1x4,hybrid:2x2,hybrid:4x1) (default auto)")
     g.add_argument("--engines", type=list_of(engine_name), metavar="E[,E..]",
                    help=f"engines, side by side: {', '.join(engines.NAMES)}, or default (engine= not passed)")
     g.add_argument("--peers", type=list_of(choices(("gemm", *PEERS, "none"))),

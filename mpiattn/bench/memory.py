@@ -24,11 +24,13 @@ from .. import backend
 from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_nbytes
 from ..layouts import local_length, local_lengths
-from ..strategies import registry
+from ..comm.topology import Topology
+from ..strategies import machines, registry
 from ..strategies.base import Strategy
+from ..strategies.machines import Machine
 from .tasks import DENSE, Task
 
-__all__ = ["MemoryMeter", "rss_now", "rss_peak", "shard_bytes", "plan_call", "estimate_bytes"]
+__all__ = ["MemoryMeter", "rss_now", "rss_peak", "shard_bytes", "machine_for", "plan_call", "estimate_bytes"]
 
 
 def rss_now() -> int:
@@ -98,9 +100,16 @@ def shard_bytes(t: Task, P: int, rank: int = 0, grads: bool = False) -> int:
     return np.dtype(t.dtype).itemsize * words * (2 if grads else 1)
 
 
-def plan_call(t: Task, P: int) -> tuple[Strategy, int]:
-    """The strategy :func:`mpiattn.attention` would run for task ``t`` on ``P`` ranks, and its block rows
-    (``t.block``, else the engine's preference for the longest key/value shard).
+def machine_for(t: Task) -> Machine:
+    """The machine the cost model assumes for task ``t``, as the library finds it
+    (``$MPIATTN_MACHINE``, else the device's profile)."""
+    return machines.load(machines.resolve_name(None, t.spec().device))
+
+
+def plan_call(t: Task, P: int, topology: Topology | None = None) -> tuple[Strategy, int]:
+    """The strategy :func:`mpiattn.attention` would run for task ``t`` on ``P`` ranks (on one node,
+    unless ``topology`` is given), and its block rows (``t.block``, else the engine's preference
+    for the longest key/value shard).
 
     Raises
     ------
@@ -108,9 +117,11 @@ def plan_call(t: Task, P: int) -> tuple[Strategy, int]:
         The task's strategy does not support the call (the registry's reason).
     """
     spec = t.spec()
+    topology = Topology.blocks(P, P) if topology is None else topology
     engine = engines.get(engines.AUTO[0] if spec.options.engine == "auto" else spec.options.engine)
     block = t.block or engine.block_rows(spec, max(local_lengths(t.M, P, t.layout)))
-    strategy, _ = registry.resolve(spec, P, block)
+    machine = machine_for(t) if registry.needs_choice(spec.options.strategy) else None
+    strategy, _ = registry.resolve(spec, topology, block, machine)
     return strategy, block
 
 

@@ -21,7 +21,7 @@ from ..kernels import DEFAULT_TILE, engines
 from ..strategies import registry
 from ..strategies.spec import AttentionSpec, Options
 
-__all__ = ["Task", "Settings", "DENSE", "SDPA", "PEERS", "IMPLS", "PASSES", "WORKLOADS", "MiB", "visible_pairs",
+__all__ = ["Task", "Settings", "DENSE", "SDPA", "PEERS", "IMPLS", "is_configured", "PASSES", "WORKLOADS", "MiB", "visible_pairs",
            "attention_flops", "tile_key", "write_job", "read_job"]
 
 MiB = 2**20
@@ -32,6 +32,17 @@ DENSE, SDPA = "dense", "torch"
 PEERS = (DENSE, SDPA)
 #: What an ``attention`` task may time: the registry's strategies (``auto`` first), then the peers.
 IMPLS = registry.NAMES + PEERS
+
+
+def is_configured(name: Any) -> bool:
+    """Whether ``name`` is a registered strategy with its configuration (``hybrid:2x2``)."""
+    if not isinstance(name, str) or ":" not in name:
+        return False
+    try:
+        registry.get(name)
+    except ValueError:
+        return False
+    return True
 PASSES = ("fwd", "fwdbwd")
 
 _SHAPE = ("B", "H", "Hkv", "N", "M", "E", "Ev", "dtype", "causal", "layout", "block", "device")
@@ -103,7 +114,8 @@ class Task:
     plan: str = ""
 
     def __post_init__(self) -> None:
-        checks = (("benchmark workload", [self.workload], tuple(WORKLOADS)), ("implementation", [self.impl], IMPLS),
+        impls = IMPLS + ((self.impl,) if is_configured(self.impl) else ())
+        checks = (("benchmark workload", [self.workload], tuple(WORKLOADS)), ("implementation", [self.impl], impls),
                   ("engine", [self.engine], (None, *engines.NAMES)), ("pass", list(self.passes), PASSES))
         for what, values, allowed in checks:
             bad = [v for v in values if v not in allowed]

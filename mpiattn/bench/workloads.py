@@ -34,9 +34,10 @@ from ..io import datagen
 from ..kernels import engines
 from ..kernels.reference import dense_attention
 from ..layouts import segments
+from ..strategies.model import predict
 from ..timing import Measurement, Timer
 from . import ceilings
-from .memory import MemoryMeter, estimate_bytes, plan_call, shard_bytes
+from .memory import MemoryMeter, estimate_bytes, machine_for, plan_call, shard_bytes
 from .tasks import DENSE, PASSES, SDPA, MiB, Settings, Task, attention_flops
 
 __all__ = ["Impl", "Unavailable", "implementation", "torch_impl", "local_rows", "attention_task",
@@ -185,14 +186,24 @@ def _warm_up(c: Any, xp: Any, t: Task, impl: Impl) -> None:
         impl.forward(q, k, v)
 
 
-def _model(t: Task, P: int) -> dict:
-    """The registry's models of the call: estimated bytes per pass, and the forward's cost."""
+def _model(t: Task, c: Any) -> dict:
+    """The library's models of the call: estimated bytes per pass (``est``) and, per pass, the
+    cost model's prediction on the Comm's topology (``model``: seconds, bytes sent in all and
+    between nodes by the busiest rank; :mod:`mpiattn.strategies.model`)."""
+    P = 1 if t.single_process else c.size
     est = {p: estimate_bytes(t, P, p) for p in PASSES}
     if t.single_process:
         return dict(est=est)
-    strategy, block = plan_call(t, P)
-    cost = strategy.cost(t.spec(), P, block)
-    return dict(est=est, cost_words=cost.words, cost_steps=cost.steps)
+    strategy, block = plan_call(t, P, c.topology)
+    spec, machine = t.spec(), machine_for(t)
+    pred = predict(strategy, spec, c.topology, block, machine)
+    fwd = [strategy.traffic(spec, c.topology, block, backward=False)]
+    both = fwd + [strategy.traffic(spec, c.topology, block, backward=True)]
+    sums = {p: (sum(x.inside + x.between for ph in phs for x in ph), sum(x.between for ph in phs for x in ph))
+            for p, phs in (("fwd", fwd), ("fwdbwd", both))}
+    model = {p: dict(model_s=pred.forward_s if p == "fwd" else pred.fwdbwd_s, model_bytes_sent=sums[p][0],
+                     model_bytes_between=sums[p][1], model_machine=machine.name) for p in PASSES}
+    return dict(est=est, model=model)
 
 
 def _engine_refusal(t: Task) -> str | None:
@@ -219,7 +230,7 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
     if t.single_process and P > 1:
         return skipped(f"{t.impl} is single-process; run it at P=1")
     try:
-        model = _model(t, P)  # ValueError: the strategy refuses the call (global sizes: alike everywhere)
+        model = _model(t, c)  # ValueError: the strategy refuses the call (global sizes: alike everywhere)
         impl = implementation(c, t, settings.threads)
     except (ValueError, Unavailable) as exc:
         return skipped(str(exc))
@@ -230,7 +241,7 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
     mem.reset()
     timer = Timer(c, xp)
     baseline = _max(c, mem.now())
-    est = model.pop("est")
+    est, per_pass = model.pop("est"), model.pop("model", {})
     limit = settings.max_memory
     over = {p: (f"estimated {(baseline + est[p]) / MiB:.0f} MiB per rank (baseline {baseline / MiB:.0f} + "
                 f"{est[p] / MiB:.0f}) > --max-memory {limit / MiB:.0f} MiB")
@@ -246,19 +257,21 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
                   shard_bytes_grads=_max(c, shard_bytes(t, P, rank, grads=True)), status="ok", **model)
     calls = t.warmup + t.repeat
     records = []
-    sent0 = c.bytes_sent
+    sent0, between0 = c.bytes_sent, c.bytes_between
     fwd = timer.measure(lambda: impl.forward(q, k, v), t.warmup, t.repeat, keep_last=impl.backward is not None)
     fwd_sent = (c.bytes_sent - sent0) / calls
+    fwd_between = (c.bytes_between - between0) / calls
     if "fwd" in passes:
         records.append(_timed_record(timer, common, "fwd", fwd, attention_flops(t, "fwd"), fwd_sent,
-                                     mem.peak(), est["fwd"], mem))
+                                     mem.peak(), est["fwd"], mem, bytes_between_per_rank=_max(c, fwd_between),
+                                     **per_pass.get("fwd", {})))
     if "fwdbwd" in over:
         records.append(dict(common, **{"pass": "fwdbwd"}, status="skipped", reason=over["fwdbwd"]))
     elif "fwdbwd" in passes:
         t0 = time.perf_counter()
         (dout,) = local_rows(xp, t, rank, P, settings.seed, "dout")
         inputs_s += time.perf_counter() - t0
-        sent0 = c.bytes_sent
+        sent0, between0 = c.bytes_sent, c.bytes_between
         if impl.backward is not None:
             res = fwd.result
             bwd = timer.measure(lambda: impl.backward(dout, q, k, v, res), t.warmup, t.repeat)
@@ -266,12 +279,15 @@ def attention_task(c: Any, xp: Any, t: Task, settings: Settings, mem: MemoryMete
             extra = dict(times_bwd_s=bwd.times, note="fwd+bwd = median forward + each backward (backward "
                                                      "reuses the forward's out, lse)")
             sent = fwd_sent + (c.bytes_sent - sent0) / calls
+            between = fwd_between + (c.bytes_between - between0) / calls
         else:
             both = timer.measure(lambda: impl.forward_backward(dout, q, k, v), t.warmup, t.repeat)
             extra = dict(note="fwd+bwd: one call computing the output and the gradients per repeat")
             sent = (c.bytes_sent - sent0) / calls
+            between = (c.bytes_between - between0) / calls
         records.append(_timed_record(timer, common, "fwdbwd", both, attention_flops(t, "fwdbwd"), sent,
-                                     mem.peak(), est["fwdbwd"], mem, **extra))
+                                     mem.peak(), est["fwdbwd"], mem, bytes_between_per_rank=_max(c, between),
+                                     **per_pass.get("fwdbwd", {}), **extra))
     q = k = v = fwd.result = None  # the inputs are freed before the ceilings run
     used = {f"{key}_used": value for key, value in (impl.used or {}).items()
             if key in ("strategy", "engine", "block_size")}

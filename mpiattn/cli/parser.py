@@ -10,7 +10,8 @@ import math
 
 from .. import __version__
 from ..kernels import engines
-from ..strategies import registry
+from ..strategies import machines, registry
+from . import calibrate, plan
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
@@ -66,6 +67,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _strategy(text: str) -> str:
+    """``auto``, a registered strategy, or one with its configuration (``hybrid:2x2``)."""
+    if text != "auto":
+        try:
+            registry.get(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _window(text: str) -> tuple:
     """``L,R`` -> (left, right): ints >= 0, ``none`` (or empty) for no bound on that side."""
     parts = text.split(",")
@@ -90,11 +101,16 @@ def _window(text: str) -> tuple:
 # ----------------------------------------------------------------- the parser
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
 
-    p.add_argument("--strategy", choices=registry.NAMES, default="auto",
+    p.add_argument("--strategy", type=_strategy, default="auto", metavar="NAME",
                    help="distributed algorithm: " + "; ".join(
                        f"{name}" + ("" if s.auto else " (never chosen by auto)")
                        for name, s in registry.STRATEGIES.items())
-                   + " (default auto: the cheapest supported, by words sent)")
+                   + "; hybrid:UxR fixes the two-level split (e.g. hybrid:2x2). Default auto: the "
+                     "fastest the cost model predicts (see `mpiattn plan`)")
+    p.add_argument("--machine", default=None, metavar="NAME|FILE",
+                   help="what the cost model assumes when it chooses: a profile ("
+                        + ", ".join(machines.PROFILES) + ") or a file written by `mpiattn calibrate` "
+                        f"(default ${machines.MACHINE_VARIABLE}, else the device's profile)")
     p.add_argument("--layout", choices=("auto", "contiguous", "zigzag", "balanced"), default="auto",
                    help="rows per rank; auto = zigzag when causal (load balance), else contiguous; "
                         "balanced = an equal share of visible pairs per rank, from the causal flag, "
@@ -199,6 +215,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            "in a directory (never those of live ones)")
     clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
     clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+    pl = sub.add_parser("plan", help="predict every strategy's time, traffic and memory for a "
+                        "problem on a machine, and show what auto picks (runs nothing)")
+    plan.add_arguments(pl, _positive_int, _window)
+
+    cal = sub.add_parser("calibrate", help="measure this allocation's links and compute rates for "
+                         "the cost model and write them as JSON")
+    calibrate.add_arguments(cal, _positive_int)
+    _add_threads_option(cal)
 
     for name, (module, text) in PLUGINS.items():
         if importlib.util.find_spec(module) is None:

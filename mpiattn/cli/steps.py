@@ -271,7 +271,7 @@ def check_arguments(c: Any, inp: Any, st: Settings) -> None:
     """
     spec, o = st.spec(inp), st.options
     if o.strategy != "auto":
-        why = registry.get(o.strategy).supports(spec, c.size)
+        why = registry.get(o.strategy).supports(spec, c.topology)
         if why is not None:
             raise UsageError(f"--strategy {o.strategy}: {why}")
     if o.engine != "auto":
@@ -357,6 +357,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     scale = inp.scale if getattr(args, "scale", None) is None else args.scale
     options = Options(causal=causal, scale=scale, window=window, layout=layout, kv_layout=kv_layout,
                       strategy=args.strategy, engine=getattr(args, "engine", "auto"),
+                      machine=getattr(args, "machine", None),
                       block_size=args.block_size,
                       check_finite=False)  # read_input checked them (unless --allow-nonfinite)
     st = Settings(options, xp, note)

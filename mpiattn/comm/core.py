@@ -15,7 +15,10 @@ call (every rank there) before any device buffer is sent; a Comm never
 decides it inside a send.
 
 ``bytes_sent`` counts the payload bytes this rank hands to MPI for other
-ranks (benchmarks read it; it costs one integer addition per call).
+ranks, ``bytes_between`` those of them addressed to ranks on other nodes
+(by the Comm's :class:`~mpiattn.comm.topology.Topology`; collectives are
+counted as if each rank sent its part to each destination directly).
+Benchmarks and tests read them; they cost a few integer additions per call.
 
 ``import mpiattn`` does not import ``mpi4py.MPI`` (which would initialise
 MPI). :func:`get_comm` duplicates the user's communicator on first use and
@@ -38,6 +41,7 @@ import numpy as np
 
 from .. import backend
 from . import errors, node
+from .topology import Topology
 
 __all__ = ["Comm", "Request", "get_comm", "find_comm"]
 
@@ -94,6 +98,7 @@ def get_comm(comm: Any = None) -> "Comm":
     if wrapped is None:
         wrapped = Comm(base.Dup())
         wrapped.node = node.node_info(wrapped.mpi)  # collective, like the Dup: every rank is here
+        wrapped.topology = Topology.of(wrapped.mpi)
         base.Set_attr(key, wrapped)
     return wrapped
 
@@ -128,6 +133,16 @@ class Comm:
         self.size = mpi_comm.Get_size()
         #: Payload bytes this rank has handed to MPI for other ranks.
         self.bytes_sent = 0
+        #: Of those, the bytes addressed to ranks on other nodes (by :attr:`topology`).
+        self.bytes_between = 0
+        #: Which ranks share a node (:class:`mpiattn.comm.topology.Topology`); :func:`get_comm`
+        #: sets it, one node for a Comm made directly.
+        self.topology: Topology = Topology(((tuple(range(self.size))),))
+        #: Sub-communicators made by :meth:`split`, by key (freed with this Comm).
+        self._splits: dict = {}
+        #: For a sub-communicator: its parent Comm and the parent's rank of each of its ranks
+        #: (its bytes are counted in the parent's counters too).
+        self._parent: tuple | None = None
         #: How device (CuPy) buffers cross ranks: "staged" (through host
         #: memory), "cuda-aware" (device pointers handed to MPI) or "nccl";
         #: None until :func:`mpiattn.comm.device.configure` (called at a
@@ -146,7 +161,10 @@ class Comm:
         self.gpu_device: Any = None
 
     def free(self) -> None:
-        """Release the device transport and the duplicated communicator (local; idempotent)."""
+        """Release the sub-communicators, the device transport and the duplicate (local; idempotent)."""
+        for sub in self._splits.values():
+            sub.free()
+        self._splits.clear()
         if self.device_transport is not None:
             transport, self.device_transport = self.device_transport, None
             try:
@@ -191,6 +209,37 @@ class Comm:
         finally:
             self._abort_hooks.remove(hook)
 
+    def _count(self, per_dest: dict) -> None:
+        """Add the bytes this rank sends to each destination (itself excluded) to the counters
+        (a sub-communicator's to its parent's as well)."""
+        for dest, nbytes in per_dest.items():
+            if dest != self.rank and nbytes:
+                self.bytes_sent += nbytes
+                if not self.topology.same_node(self.rank, dest):
+                    self.bytes_between += nbytes
+        if self._parent is not None:
+            parent, ranks = self._parent
+            parent._count({ranks[d]: nbytes for d, nbytes in per_dest.items()})
+
+    def split(self, ranks: Sequence[int]) -> "Comm":
+        """The Comm of a sub-communicator of the given ranks of this one (collective on this Comm).
+
+        Every rank calls it with its own group's ``ranks`` (the groups a
+        partition of the ranks, the same list on each of the group's ranks);
+        rank ``i`` of the result is ``ranks[i]`` here. Made once per group
+        and kept, with its restricted topology; freed with this Comm.
+        """
+        key = tuple(int(r) for r in ranks)
+        sub = self._splits.get(key)
+        if sub is None:
+            sub = Comm(self.mpi.Split(min(key), key.index(self.rank)))
+            sub.topology = self.topology.restricted(key)
+            sub.node = self.node
+            sub._parent = (self, key)
+            sub.gpu_device = self.gpu_device
+            self._splits[key] = sub
+        return sub
+
     # ------------------------------------------------------------- small data
     def allgather_obj(self, obj: Any) -> list:
         """Pickle-based allgather for small metadata (never for array data)."""
@@ -225,7 +274,7 @@ class Comm:
     def isend(self, arr: Any, dest: int, tag: int) -> Request:
         """Non-blocking send of a contiguous array (as bytes)."""
         if dest != self.rank:
-            self.bytes_sent += int(arr.nbytes)
+            self._count({dest: int(arr.nbytes)})
         if backend.is_cupy_array(arr):
             return self._device().isend(arr, dest, tag)
         from mpi4py import MPI
@@ -262,7 +311,7 @@ class Comm:
         out = xp.empty((total,) + x.shape[1:], dtype=x.dtype) if want else None
         if row_nbytes == 0 or total == 0:
             return out
-        self.bytes_sent += int(x.nbytes) * (self.size - 1 if root is None else int(root != self.rank))
+        self._count({d: int(x.nbytes) for d in (range(self.size) if root is None else [root])})
         t = self._rowtype(row_nbytes)
         try:
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
@@ -297,7 +346,7 @@ class Comm:
         out = xp.empty((int(sum(recv_counts)),) + x.shape[1:], dtype=x.dtype)
         if row_nbytes == 0:
             return out
-        self.bytes_sent += row_nbytes * (int(sum(send_counts)) - int(send_counts[self.rank]))
+        self._count({d: row_nbytes * int(cnt) for d, cnt in enumerate(send_counts)})
         t = self._rowtype(row_nbytes)
         try:
             sd = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(int).tolist()
@@ -332,7 +381,7 @@ class Comm:
 
         if self.size == 1 or x.size == 0:
             return x
-        self.bytes_sent += int(x.nbytes)
+        self._count({0: int(x.nbytes)} if self.rank else {d: int(x.nbytes) for d in range(self.size)})
         buf, finish = self._recv_buf(x)
         if buf is not x:
             buf[...] = x.get()
@@ -359,7 +408,7 @@ class Comm:
             return out
         if row == 0:
             return out
-        self.bytes_sent += row * x.dtype.itemsize * (int(sum(counts)) - int(counts[self.rank]))
+        self._count({d: row * x.dtype.itemsize * int(cnt) for d, cnt in enumerate(counts)})
         sbuf = self._send_buf(xp.ascontiguousarray(x))
         rbuf, finish = self._recv_buf(out)
         self.mpi.Reduce_scatter([sbuf, self._typed(x.dtype)],

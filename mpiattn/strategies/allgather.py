@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import backend
 from ..layouts import all_segments, positions
-from .base import Cost, Strategy, blocked_memory
+from .base import Phase, Strategy, blocked_memory, spread_phase
 from .blocked import KeyBlock, key_block, kv_data, run_backward, run_forward, zeros_like_kv
 
 __all__ = ["Allgather"]
@@ -57,10 +57,18 @@ class Allgather(Strategy):
 
     name = "allgather"
 
-    def cost(self, spec: Any, P: int, block: int) -> Cost:
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        P = topology.P
+        if P == 1:
+            return []
         m = spec.M / P
-        words = (P - 1) * m * spec.B * spec.Hkv * (spec.E + spec.Ev)
-        return Cost(words, math.ceil(m / max(block, 1)) if P > 1 else 0)
+        rounds = max(1, math.ceil(m / max(block, 1)))
+        row = spec.B * spec.Hkv * (spec.E + spec.Ev)
+        phases = [spread_phase(topology, range(P), m * row * spec.itemsize, rounds * (P - 1))]
+        if backward:  # each round's dK, dV summed to their owners
+            phases.append(spread_phase(topology, range(P), m * row * spec.acc_dtype.itemsize,
+                                       rounds * (P - 1)))
+        return phases
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward, rounds=P)

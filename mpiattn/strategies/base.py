@@ -1,31 +1,41 @@
-"""What a strategy is: how the rows of a call meet, with its cost and memory, as one object.
+"""What a strategy is: how the rows of a call meet, with its traffic and memory, as one object.
 
 A strategy decides which key/value rows a rank's queries meet and how they
-travel (ring, gather, all-to-all, the products); the engines
+travel (ring, gather, all-to-all, the products, two levels); the engines
 (:mod:`mpiattn.kernels`) compute. Every strategy declares:
 
-``supports(spec, P)``
+``supports(spec, topology)``
     None, or why it cannot run the call (e.g. heads that do not divide);
-``cost(spec, P, block)``
-    what a rank sends and in how many sequential steps (:class:`Cost`),
-    from which ``auto`` picks the cheapest supported strategy;
+``candidates(spec, topology)``
+    the configured variants it may run as (a two-level strategy: one per
+    split of the ranks); ``auto`` and the cost model compare them;
+``traffic(spec, topology, block, backward)``
+    what the busiest rank sends inside its node and between nodes, in how
+    many messages, and whether it hides behind compute (:class:`Phase`);
+    :mod:`mpiattn.strategies.model` turns it into time on a machine;
+``work(spec, topology)``
+    the largest share of the visible (query, key) pairs one rank computes;
 ``memory(spec, P, block, backward)``
     the bytes a rank holds at its peak (inputs included; native engine);
 ``forward`` / ``backward``
     the call itself, on a validated :class:`mpiattn.strategies.problem.Problem`.
 
-Costs per rank, ``P`` ranks, ``n = N/P``, ``m = M/P`` rows, ``W = B Hkv (E+Ev)``
+Per rank, ``P`` ranks, ``n = N/P``, ``m = M/P`` rows, ``W = B Hkv (E+Ev)``
 words per key/value row: the formulas are in each strategy's docstring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Cost", "Strategy", "Progress", "report", "blocked_memory"]
+from ..kernels import engines
+from ..layouts import all_segments, positions
+
+__all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "ring_phase",
+           "spread_phase", "layout_share", "sends_out"]
 
 Progress = Callable[[int, int], None] | None
 
@@ -36,24 +46,75 @@ def report(progress: Progress, done: int, total: int) -> None:
         progress(done, total)
 
 
-@dataclass(frozen=True, order=True)
-class Cost:
-    """What one rank sends in a forward pass, for comparing strategies.
+@dataclass(frozen=True)
+class Phase:
+    """One communication phase of a pass, as the busiest rank sees it.
 
     Attributes
     ----------
-    words : float
-        Words (array elements) this rank sends.
-    steps : int
-        Sequential communication steps (exchanges or collectives).
+    inside, between : float
+        Bytes it sends to ranks on its own node, and to ranks on other nodes.
+    messages : int
+        Sequential messages (each pays its link's latency once).
+    overlap : bool
+        The transfers can hide behind the pass's compute (a ring's do).
     """
 
-    words: float
-    steps: int
+    inside: float = 0.0
+    between: float = 0.0
+    messages: int = 0
+    overlap: bool = False
+
+
+def ring_phase(topology: Any, ring: Sequence[int], step_bytes: float, steps: int,
+               pieces: int = 1) -> Phase:
+    """``steps`` ring steps of ``step_bytes`` each over the ranks ``ring`` (in ring order).
+
+    A step is as slow as its slowest edge: if any edge joins two nodes, the
+    busiest rank is one that sends every step between nodes.
+    """
+    if steps <= 0 or step_bytes <= 0:
+        return Phase(overlap=True)
+    crosses = any(not topology.same_node(a, b) for a, b in zip(ring, [*ring[1:], ring[0]]))
+    total = step_bytes * steps
+    return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True)
+
+
+def spread_phase(topology: Any, group: Sequence[int], bytes_per_dest: float,
+                 messages: int) -> Phase:
+    """A collective in which each rank of ``group`` sends ``bytes_per_dest`` to every other.
+
+    The busiest rank is the one with the most group members on other nodes.
+    """
+    worst = (0, 0)
+    for a in group:
+        here = sum(1 for b in group if b != a and topology.same_node(a, b))
+        away = len(group) - 1 - here
+        worst = max(worst, (away, here))
+    away, here = worst
+    return Phase(here * bytes_per_dest, away * bytes_per_dest, messages, False)
+
+
+def sends_out(spec: Any) -> int:
+    """1 when the call's engine needs the forward's ``out`` in the backward (it then travels), else 0."""
+    name = spec.options.engine
+    return int(engines.get(engines.AUTO[0] if name == "auto" else name).capabilities.needs_out)
+
+
+def layout_share(row_pairs: Any, N: int, P: int, layout: Any) -> float:
+    """The largest share of all visible pairs one rank's query rows hold under ``layout``.
+
+    ``row_pairs`` is the visible keys of every global query row (``(N,)``);
+    1/P for a perfect balance.
+    """
+    total = float(row_pairs.sum())
+    if total <= 0:
+        return 1.0 / P
+    return max(float(row_pairs[positions(s)].sum()) for s in all_segments(N, P, layout)) / total
 
 
 class Strategy:
-    """A strategy: a name, what it supports, its cost and memory, its forward and backward."""
+    """A strategy: a name, what it supports, its traffic, work and memory, its forward and backward."""
 
     name: str = ""
     #: Whether ``strategy="auto"`` may pick it.
@@ -61,12 +122,35 @@ class Strategy:
     #: Whether it computes through an engine (materialized runs the products instead).
     uses_engine: bool = True
 
-    def supports(self, spec: Any, P: int) -> str | None:
-        """None when the strategy runs the call ``spec`` on ``P`` ranks, else why not."""
+    @property
+    def label(self) -> str:
+        """The name with its configuration (e.g. ``"hybrid:2x2"``): what a call reports."""
+        return self.name
+
+    def supports(self, spec: Any, topology: Any) -> str | None:
+        """None when the strategy runs the call ``spec`` on ``topology``'s ranks, else why not."""
         return None
 
-    def cost(self, spec: Any, P: int, block: int) -> Cost:
+    def candidates(self, spec: Any, topology: Any) -> list["Strategy"]:
+        """The configured variants this strategy may run as (most: itself)."""
+        return [self]
+
+    @property
+    def open_choice(self) -> bool:
+        """Whether the cost model chooses among its candidates (an unconfigured ``hybrid``)."""
+        return False
+
+    def configured(self, options: str) -> "Strategy":
+        """This strategy configured by the text after its name (``"2x2"`` of ``"hybrid:2x2"``)."""
+        raise ValueError(f"strategy {self.name!r} takes no configuration, got {options!r}")
+
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        """The phases of a forward pass (``backward``: of a backward pass)."""
         raise NotImplementedError
+
+    def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
+        """The largest share of the visible pairs one rank computes (``row_pairs`` per query row)."""
+        return layout_share(row_pairs, spec.N, topology.P, spec.layout)
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         raise NotImplementedError

@@ -9,8 +9,10 @@ operand: when queries and keys are laid out differently, both are moved to
 the contiguous layout first (one all-to-all each way,
 :func:`mpiattn.sharding.relayout_rows`).
 
-Costs per rank: FLOPs as the ring's; words sent: the ring's for ``K`` and
-``V`` (two rings) forward; memory: a few ``B H n M`` score arrays in the
+Costs per rank: FLOPs as the ring's; words sent (accumulation dtype):
+``(P-1) m B Hkv (E+Ev)`` forward (``K`` and ``V`` round two rings),
+``(P-1) m B Hkv (2E + Ev + G(E+Ev))`` backward (three rings and the two
+reduce-scatters of ``dK``, ``dV`` per query head); memory: a few ``B H n M`` score arrays in the
 accumulation dtype.
 """
 
@@ -22,12 +24,12 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import Comm
-from ..layouts import layout_key
+from ..layouts import layout_key, local_lengths
 from ..masks import padding_bias, visible
 from ..masks.ids import global_rows
 from ..products import matmul_nn, matmul_nt, matmul_tn
 from ..sharding import relayout_rows
-from .base import Cost, Progress, Strategy, report
+from .base import Phase, Progress, Strategy, report, ring_phase
 
 __all__ = ["Materialized"]
 
@@ -116,9 +118,20 @@ class Materialized(Strategy):
     auto = False
     uses_engine = False
 
-    def cost(self, spec: Any, P: int, block: int) -> Cost:
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        P = topology.P
         m = spec.M / P
-        return Cost((P - 1) * m * spec.B * spec.Hkv * (spec.E + spec.Ev), 2 * max(0, P - 1))
+        a = spec.acc_dtype.itemsize
+        # forward: K round the ring (nt), then V (nn); backward: K (nt), V (nt), K (nn), and
+        # the two tn reduce-scatters of dV and dK, G query heads each before their sum
+        E, Ev, G = spec.E, spec.Ev, spec.G
+        per_row = 2 * E + Ev + G * (E + Ev) if backward else E + Ev
+        words = spec.B * spec.Hkv * per_row * m
+        return [ring_phase(topology, range(P), words * a, P - 1, 5 if backward else 2)]
+
+    def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
+        """Every score is computed, visible or not: the share of the rows."""
+        return max(local_lengths(spec.N, topology.P, spec.layout)) / max(spec.N, 1)
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         a = np.dtype(spec.acc_dtype).itemsize

@@ -27,7 +27,7 @@ from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
 from ..masks import MaskSpec, QuerySide
 from ..masks.ids import global_rows, local_ids
-from . import registry
+from . import machines, registry
 from .base import Strategy
 from .spec import AttentionSpec, Options
 
@@ -86,7 +86,7 @@ class Problem:
 
     def details(self) -> dict:
         """What the call used: ``strategy``, ``engine`` and their reasons, ``block_size``."""
-        return {"strategy": self.strategy.name, "strategy_reason": self.strategy_reason,
+        return {"strategy": self.strategy.label, "strategy_reason": self.strategy_reason,
                 "engine": self.engine.name, "engine_reason": self.engine_reason,
                 "block_size": self.block}
 
@@ -136,9 +136,8 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
            segment_ids: Any, kv_segment_ids: Any, ids: dict) -> dict:
     """This rank's view of the call (inside the validation allgather: errors are agreed)."""
     options = Options.of(settings.pop("options", None), **settings)
-    if options.strategy not in registry.NAMES:
-        raise ValueError(f"unknown strategy {options.strategy!r}; expected one of "
-                         f"{', '.join(registry.NAMES)}")
+    if options.strategy != "auto":
+        registry.get(options.strategy)  # an unknown name or configuration raises here
     if options.engine not in engines.NAMES:
         raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
     xp = _check_arrays(q, k, v, mask, extra)
@@ -160,12 +159,17 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
     here = AttentionSpec(B, H, Hkv, E, Ev, n, m, np.dtype(q.dtype), xp.__name__,
                          1.0 / math.sqrt(E) if options.scale is None else options.scale, mask_spec,
                          options.layout, options.kv_layout, options, fused)
+    machine = None
+    if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
+        machine = machines.load(machines.resolve_name(options.machine, xp.__name__))
     return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
             "backend": xp.__name__, **options.by_field(),
             "segment_ids / kv_segment_ids / key_padding_mask presence": (
                 mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
             f"the environment's {FUSED_VARIABLE}": fused,
-            "_n": n, "_m": m, "_spec": here,
+            "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
+                None if machine is None else {**machine.to_dict(), "sources": None}),
+            "_n": n, "_m": m, "_spec": here, "_machine": machine,
             "_engine": engines.local_choice(options.engine, here)}
 
 
@@ -223,7 +227,7 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)
-        strategy, strategy_reason = registry.resolve(spec, c.size, block)
+        strategy, strategy_reason = registry.resolve(spec, c.topology, block, got[0]["_machine"])
     prepare(c, q, k, v)  # every rank is here, with the same backend
     seg_q = seg_k = None
     if spec.mask.segments:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..comm.ring import circulate, row_pieces
 from ..layouts import all_segments
-from .base import Cost, Strategy, blocked_memory
+from .base import Phase, Strategy, blocked_memory, ring_phase
 from .blocked import key_block, kv_data, run_backward, run_forward, zeros_like_kv
 
 __all__ = ["Ring"]
@@ -40,9 +40,15 @@ class Ring(Strategy):
 
     name = "ring"
 
-    def cost(self, spec: Any, P: int, block: int) -> Cost:
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        P = topology.P
         m = spec.M / P
-        return Cost((P - 1) * m * spec.B * spec.Hkv * (spec.E + spec.Ev), max(0, P - 1))
+        row = spec.B * spec.Hkv * (spec.E + spec.Ev)
+        step = m * row * spec.itemsize
+        if backward:  # the blocks again, and their dK, dV travelling with them
+            step += m * row * spec.acc_dtype.itemsize
+        pieces = max(1, -(-int(m) // max(block, 1)))
+        return [ring_phase(topology, range(P), step, P - 1, pieces)]
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward)

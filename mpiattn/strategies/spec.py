@@ -49,7 +49,8 @@ class Options:
     kv_layout : str or Layout, optional
         Row layout of the keys and values (default: ``layout``).
     strategy : str
-        ``"auto"`` or a registered strategy (:mod:`mpiattn.strategies.registry`).
+        ``"auto"``, a registered strategy (:mod:`mpiattn.strategies.registry`),
+        ``"hybrid"`` (the cost model picks its split) or ``"hybrid:UxR"``.
     engine : str
         ``"auto"`` or a registered engine (:mod:`mpiattn.kernels.engines`).
     block_size : int, optional
@@ -57,6 +58,11 @@ class Options:
         score tile; default the engine's preference.
     check_finite : bool
         Raise ValueError when an input holds NaN or Inf.
+    machine : str, optional
+        What the cost model assumes when it chooses (``strategy="auto"`` or
+        ``"hybrid"``): a profile of :data:`mpiattn.strategies.machines.PROFILES`
+        or a JSON file written by ``python -m mpiattn calibrate``; default the
+        environment variable ``MPIATTN_MACHINE``, else the device's profile.
 
     Raises
     ------
@@ -74,6 +80,7 @@ class Options:
     engine: str = "auto"
     block_size: int | None = None
     check_finite: bool = True
+    machine: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, (bool, np.bool_)):
@@ -92,6 +99,8 @@ class Options:
         for name in ("strategy", "engine"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a name (str), got {getattr(self, name)!r}")
+        if self.machine is not None and not isinstance(self.machine, str):
+            raise TypeError(f"machine must be a profile name or a file path (str), got {self.machine!r}")
         object.__setattr__(self, "block_size", check_block_size(self.block_size, "attention"))
         object.__setattr__(self, "check_finite", bool(self.check_finite))
 

@@ -21,7 +21,7 @@ from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
 from ..masks import QuerySide, block_mask
 from ..masks.ids import global_rows
-from .base import Cost, Strategy, blocked_memory, report
+from .base import Phase, Strategy, blocked_memory, report, sends_out, spread_phase
 
 __all__ = ["Ulysses"]
 
@@ -78,17 +78,33 @@ class Ulysses(Strategy):
 
     name = "ulysses"
 
-    def supports(self, spec: Any, P: int) -> str | None:
+    def supports(self, spec: Any, topology: Any) -> str | None:
+        P = topology.P
         if spec.H % P or spec.Hkv % P:
             return (f"strategy 'ulysses' needs the query heads H = {spec.H} and key/value heads "
                     f"Hkv = {spec.Hkv} divisible by the number of ranks ({P}); use 'ring' or "
                     "'allgather', or another rank count")
         return None
 
-    def cost(self, spec: Any, P: int, block: int) -> Cost:
-        n, m = spec.N / P, spec.M / P
-        words = (P - 1) / P * spec.B * (n * spec.H * (spec.E + spec.Ev) + m * spec.Hkv * (spec.E + spec.Ev))
-        return Cost(words, 5 if P > 1 else 0)
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        P = topology.P
+        if P == 1:
+            return []
+        n, m, s = spec.N / P, spec.M / P, spec.itemsize
+        a = spec.acc_dtype.itemsize
+        q, o, kv = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev, spec.B * spec.Hkv * (spec.E + spec.Ev)
+        if not backward:  # q, k, v in; out, lse back
+            per_rank = n * q * s + m * kv * s + n * o * s + n * spec.B * spec.H * a
+            return [spread_phase(topology, range(P), per_rank / P, 5 * (P - 1))]
+        # q, k, v, dout, out (for an engine that needs it), lse and D in; dq, dk, dv back
+        # (accumulation dtype)
+        out = sends_out(spec)
+        per_rank = ((n * q + m * kv) * (s + a) + (1 + out) * n * o * s + 2 * n * spec.B * spec.H * a)
+        return [spread_phase(topology, range(P), per_rank / P, (8 + out) * (P - 1))]
+
+    def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
+        """Every rank attends the whole sequence for its heads: an even share."""
+        return 1.0 / topology.P
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         moved = 2 * spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)

@@ -80,8 +80,9 @@ def test_forward_bytes_are_the_ring_formula(comm, xp, dtype, itemsize):
     (rec,) = _run(comm, xp, [t])
     m = t.M // P
     assert rec["bytes_sent_per_rank"] == (P - 1) * m * t.Hkv * (t.E + t.Ev) * itemsize
-    assert rec["cost_words"] * itemsize == rec["bytes_sent_per_rank"]     # the registry's model, exact here
-    assert rec["cost_steps"] == P - 1
+    assert rec["model_bytes_sent"] == rec["bytes_sent_per_rank"]      # the strategy's traffic formula, exact
+    assert rec["model_bytes_between"] == rec["bytes_between_per_rank"] == 0   # one node
+    assert rec["model_s"] > 0 and rec["model_machine"]
     calls = t.warmup + t.repeat + 1                       # and one small warm-up problem
     assert comm.bytes_sent - before >= calls * rec["bytes_sent_per_rank"]
 
@@ -155,7 +156,7 @@ def test_torch_peer_runs_at_one_rank(comm, xp):
     fwd, both = recs
     assert fwd["status"] == "ok" and both["status"] == "ok"
     assert fwd["time_s"] > 0 and both["time_s"] > 0 and len(both["times_s"]) == 1
-    assert both["note"].startswith("fwd+bwd: one call") and "cost_words" not in fwd
+    assert both["note"].startswith("fwd+bwd: one call") and "model_s" not in fwd
 
 
 def _problem(seed=4):

@@ -61,7 +61,7 @@ def test_help_and_listing(serial_only):
     assert rc == 0, err
     words = " ".join(text.split())                                   # help lines wrap with the terminal
     assert "--engines" in words and "dense (materialising, 1 process)" in words
-    assert "auto, ring, allgather, ulysses, materialized (default auto)" in words    # the registry's names
+    assert "auto, ring, allgather, ulysses, materialized, hybrid, hybrid:UxR splits" in words  # the registry
     rc, text, err = _py("-m", "mpiattn.bench", "--suite", "engines", "--list")
     assert rc == 0, err
     lines = text.splitlines()

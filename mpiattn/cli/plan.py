@@ -1,0 +1,136 @@
+"""``python -m mpiattn plan``: what every strategy would cost on a machine, and what ``auto`` picks.
+
+Nothing runs and nothing is sent: the problem (``--seq``, ``--heads``, ...)
+and the machine (``--nodes`` x ``--ranks-per-node`` ranks, ``--hardware``
+profile or ``--calibration`` file) go through the cost model
+(:mod:`mpiattn.strategies.model`) for every strategy of the registry and
+every split of the two-level ones. A table (or ``--json``) gives, per
+configured strategy: the predicted forward and forward+backward seconds,
+the bytes the busiest rank sends inside its node and between nodes, its
+memory, the parallel efficiency, and ``auto``'s choice.
+
+bfloat16 is sized as float16 (two bytes, float32 accumulators, as the
+engines compute it) and timed at the machine's bfloat16 rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..comm.topology import Topology
+from ..kernels import engines
+from ..strategies import AttentionSpec, Options, machines, registry
+from .common import UsageError
+
+__all__ = ["add_arguments", "cmd_plan", "build"]
+
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+MiB, GiB = 2.0**20, 2.0**30
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int: Any, window: Any) -> None:
+    """The options of ``plan`` (``positive_int`` and ``window``: the parser's argument types)."""
+    g = p.add_argument_group("the problem")
+    g.add_argument("--seq", type=positive_int, required=True, help="N, query rows")
+    g.add_argument("--kv-seq", type=positive_int, default=None, help="M, key rows (default N)")
+    g.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    g.add_argument("--heads", type=positive_int, required=True, help="H, query heads")
+    g.add_argument("--kv-heads", type=positive_int, default=None, help="Hkv (default H)")
+    g.add_argument("--dim", type=positive_int, required=True, help="E, the head dimension")
+    g.add_argument("--value-dim", type=positive_int, default=None, help="Ev (default E)")
+    g.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default bfloat16")
+    g.add_argument("--causal", action="store_true")
+    g.add_argument("--window", type=window, default=None, metavar="L,R", help="sliding window")
+    g.add_argument("--block-size", type=positive_int, default=None, metavar="ROWS",
+                   help="rows per exchanged block (default: the engine's preference)")
+    m = p.add_argument_group("the machine")
+    m.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
+    m.add_argument("--ranks-per-node", type=positive_int, default=8,
+                   help="ranks (GPUs) per node (default 8)")
+    hw = m.add_mutually_exclusive_group()
+    hw.add_argument("--hardware", choices=tuple(machines.PROFILES), default=None,
+                    help="a documented machine profile (default: $MPIATTN_MACHINE, else "
+                         f"{machines.DEFAULT_FOR_DEVICE['cupy']})")
+    hw.add_argument("--calibration", default=None, metavar="FILE",
+                    help="a machine measured by `python -m mpiattn calibrate`")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def build(args: Any) -> dict:
+    """The plan of parsed ``args`` as a JSON-ready dict (raises UsageError for a bad machine)."""
+    try:
+        machine = machines.load(machines.resolve_name(args.hardware or args.calibration, "cupy"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.dtype not in machine.rates:
+        raise UsageError(f"machine {machine.name!r} has no compute rate for {args.dtype}")
+    topo = Topology.blocks(args.nodes * args.ranks_per_node, args.ranks_per_node)
+    P = topo.P
+    Hkv = args.kv_heads or args.heads
+    if args.heads % Hkv:
+        raise UsageError(f"--heads {args.heads} must be a multiple of --kv-heads {Hkv}")
+    M, Ev = args.kv_seq or args.seq, args.value_dim or args.dim
+    options = Options(causal=args.causal, window=args.window, block_size=args.block_size,
+                      layout="zigzag" if args.causal else "contiguous")
+    size_dtype = "float16" if args.dtype == "bfloat16" else args.dtype
+    spec = AttentionSpec.from_shapes((args.batch, args.heads, args.seq, args.dim),
+                                     (args.batch, Hkv, M, args.dim), (args.batch, Hkv, M, Ev),
+                                     size_dtype, options, device="cupy")
+    block = args.block_size or engines.get(engines.AUTO[0]).block_rows(spec, -(-M // P))
+    rows = registry.table(spec, topo, block, machine, rate_dtype=args.dtype)
+    return {
+        "problem": {"B": args.batch, "H": args.heads, "Hkv": Hkv, "N": args.seq, "M": M, "E": args.dim,
+                    "Ev": Ev, "dtype": args.dtype, "causal": args.causal,
+                    "window": None if args.window is None else list(args.window), "block": block},
+        "machine": {"name": machine.name, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node},
+        "auto": next((r.label for r in rows if r.auto), None),
+        "rows": [_row(r) for r in rows],
+    }
+
+
+def _row(r: registry.Row) -> dict:
+    if r.prediction is None:
+        return {"strategy": r.label, "supported": False, "why": r.why}
+    p = r.prediction
+    return {"strategy": r.label, "supported": True, "auto": r.auto, "pickable": r.pickable,
+            "forward_s": p.forward_s, "fwdbwd_s": p.fwdbwd_s, "inside_bytes": p.inside,
+            "between_bytes": p.between, "memory_bytes": p.memory, "fits": r.fits,
+            "efficiency": p.efficiency}
+
+
+def render(plan: dict) -> str:
+    """The plan as a table, one line per configured strategy."""
+    pr, mc = plan["problem"], plan["machine"]
+    mask = "causal" if pr["causal"] else "full"
+    if pr["window"] is not None:
+        mask += f", window {pr['window']}"
+    lines = [f"plan: B={pr['B']} H={pr['H']} Hkv={pr['Hkv']} N={pr['N']:,} M={pr['M']:,} E={pr['E']} "
+             f"Ev={pr['Ev']} {pr['dtype']} {mask}; {mc['nodes']} node(s) x {mc['ranks_per_node']} "
+             f"rank(s) on {mc['name']}; block {pr['block']}",
+             "bytes: sent by the busiest rank, forward + backward; memory: peak per rank",
+             f"{'strategy':<24} {'fwd s':>10} {'fwd+bwd s':>10} {'MiB inside':>11} "
+             f"{'MiB between':>11} {'GiB/rank':>9} {'effic.':>7}"]
+    for r in plan["rows"]:
+        if not r["supported"]:
+            lines.append(f"{r['strategy']:<24} {'-':>10}  ({r['why']})")
+            continue
+        note = "  <- auto" if r["auto"] else ("  (never auto)" if not r["pickable"] else "")
+        if not r["fits"]:
+            note += "  (does not fit)"
+        lines.append(f"{r['strategy']:<24} {r['forward_s']:>10.4g} {r['fwdbwd_s']:>10.4g} "
+                     f"{r['inside_bytes'] / MiB:>11.1f} {r['between_bytes'] / MiB:>11.1f} "
+                     f"{r['memory_bytes'] / GiB:>9.2f} {r['efficiency']:>7.3f}{note}")
+    lines.append(f"auto: {plan['auto']}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args: Any, con: Any) -> int:
+    """``mpiattn plan``: rank 0 prints (every rank computes the same plan)."""
+    plan = build(args)
+    if con.rank == 0:
+        sys.stdout.write((json.dumps(plan, indent=1) if args.json else render(plan)) + "\n")
+        sys.stdout.flush()
+    return 0

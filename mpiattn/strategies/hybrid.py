@@ -1,0 +1,232 @@
+"""Two-level attention (USP-style): heads shared out inside a group, a ring across the groups.
+
+The ``P`` ranks form a grid of ``u`` (a head group) by ``r`` (a ring across
+the groups), ``u r = P``. An all-to-all inside each head group turns its
+members' sequence shards into head shards: member ``j`` holds query heads
+``[j H/u, (j+1) H/u)`` of all the group's rows (the union of its members'
+rows, :mod:`mpiattn.strategies.heads`). Ring attention
+(:mod:`mpiattn.strategies.ring`) then runs across the ``r`` groups on that
+head subset, each group's rows one explicit layout; an all-to-all brings the
+result back. The backward does the same in reverse. GQA/MQA with fewer
+key/value heads than ``u``: a key/value head is replicated inside the group
+(each member takes the one its query heads use; LoongTrain's way), not the
+whole K/V, and its gradients are summed on the way back.
+
+Placement (by the communicator's :class:`~mpiattn.comm.topology.Topology`,
+the ranks taken node by node): ``head-first`` (the default) puts each head
+group inside a node (the all-to-alls stay on the fast links, the ring
+crosses nodes: ``1/u`` of the flat ring's bytes between nodes);
+``ring-first`` does the opposite, for measurement. ``hybrid:1xP`` is the
+ring, ``hybrid:Px1`` all-to-all attention like ulysses (its rows in group
+order rather than global).
+
+Per rank, ``n = N/P``, ``m = M/P``: FLOPs as the ring's; words sent: the
+all-to-alls' ``(u-1)/u`` of this rank's q, k, v (a replicated key/value head
+goes to each member that needs it) and out, and the ring's
+``(r-1) u m B (Hkv/u) (E+Ev)`` (``Hkv < u``: ``B (E+Ev)`` per row).
+``strategy="hybrid"`` lets the cost model pick ``u x r``;
+``"hybrid:2x2"`` fixes it, ``"hybrid:2x2:ring-first"`` also the placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from .. import backend
+from ..comm.device import configure
+from ..layouts import Layout, all_segments, local_lengths
+from .base import Phase, Strategy, blocked_memory, ring_phase, sends_out, spread_phase
+from .heads import to_heads, to_rows
+from .ring import Ring
+
+__all__ = ["Hybrid", "PLACEMENTS"]
+
+#: Where the head groups sit.
+PLACEMENTS = ("head-first", "ring-first")
+
+_RING = Ring()
+
+
+class Hybrid(Strategy):
+    """Two-level attention (see the module docstring); unconfigured, the model picks ``u x r``."""
+
+    name = "hybrid"
+
+    def __init__(self, u: int | None = None, r: int | None = None, placement: str = "head-first"):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"hybrid placement {placement!r}; expected one of {', '.join(PLACEMENTS)}")
+        self.u, self.r, self.placement = u, r, placement
+
+    def __repr__(self) -> str:
+        return f"Hybrid({self.label})"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Hybrid) and (self.u, self.r, self.placement) == (
+            other.u, other.r, other.placement)
+
+    def __hash__(self) -> int:
+        return hash((self.u, self.r, self.placement))
+
+    @property
+    def label(self) -> str:
+        if self.u is None:
+            return self.name
+        tail = "" if self.placement == "head-first" else f":{self.placement}"
+        return f"{self.name}:{self.u}x{self.r}{tail}"
+
+    @property
+    def open_choice(self) -> bool:
+        return self.u is None
+
+    def configured(self, options: str) -> "Hybrid":
+        grid, _, placement = options.partition(":")
+        try:
+            u, r = (int(x) for x in grid.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"strategy 'hybrid:{options}': expected hybrid:UxR (e.g. hybrid:2x2), "
+                             "optionally :head-first or :ring-first") from None
+        if u < 1 or r < 1:
+            raise ValueError(f"strategy 'hybrid:{options}': U and R must be >= 1")
+        return Hybrid(u, r, placement or "head-first")
+
+    # ------------------------------------------------------------- what it supports
+    @staticmethod
+    def _heads_fit(spec: Any, u: int) -> str | None:
+        if spec.H % u:
+            return f"the query heads H = {spec.H} do not divide into {u} head groups"
+        if spec.Hkv % u and u % spec.Hkv:
+            return (f"the key/value heads Hkv = {spec.Hkv} neither divide into {u} nor divide {u} "
+                    "(each member's query heads must use whole key/value heads)")
+        return None
+
+    def supports(self, spec: Any, topology: Any) -> str | None:
+        P = topology.P
+        if self.u is None:
+            return None  # u = 1 (the ring) always fits
+        if self.u * self.r != P:
+            return f"strategy {self.label!r} needs U x R = {self.u * self.r} ranks, the call has {P}"
+        why = self._heads_fit(spec, self.u)
+        return None if why is None else f"strategy {self.label!r}: {why}"
+
+    def candidates(self, spec: Any, topology: Any) -> list[Strategy]:
+        if self.u is not None:
+            return [self]
+        P = topology.P
+        return [Hybrid(u, P // u, self.placement) for u in range(1, P + 1)
+                if P % u == 0 and self._heads_fit(spec, u) is None]
+
+    # ------------------------------------------------------------- the grid
+    def grid(self, topology: Any) -> tuple[list[list[int]], list[list[int]]]:
+        """``(groups, rings)``: the ranks of each head group (``r`` of ``u``) and of each ring
+        (``u`` of ``r``, ring ``i`` holding member ``i`` of every group)."""
+        order = topology.node_major()
+        u, r = self.u, self.r
+        if self.placement == "head-first":
+            groups = [list(order[g * u:(g + 1) * u]) for g in range(r)]
+        else:
+            groups = [[order[i * r + g] for i in range(u)] for g in range(r)]
+        rings = [[groups[g][i] for g in range(r)] for i in range(u)]
+        return groups, rings
+
+    @staticmethod
+    def _kv_heads(spec: Any, u: int, j: int) -> list[int]:
+        hq, G = spec.H // u, spec.H // spec.Hkv
+        return list(range(j * hq // G, ((j + 1) * hq - 1) // G + 1))
+
+    # ------------------------------------------------------------- the model
+    def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
+        P, u, r = topology.P, self.u, self.r
+        n, m, s, a = spec.N / P, spec.M / P, spec.itemsize, spec.acc_dtype.itemsize
+        hkv = len(self._kv_heads(spec, u, 0))
+        groups, rings = self.grid(topology)
+        q, o = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev
+        kv_dest = spec.B * hkv * (spec.E + spec.Ev) * m  # what a member sends each other member
+        if not backward:  # q, k, v in; out, lse back
+            per_dest = (n * (q + o) * s + n * spec.B * spec.H * a) / u + kv_dest * s
+        else:  # q, k, v, dout, out (an engine that needs it), lse, D in; dq, dk, dv back
+            per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
+                        + kv_dest * (s + a))
+        a2a = max((spread_phase(topology, grp, per_dest, ((8 + sends_out(spec)) if backward else 5) * (u - 1))
+                   for grp in groups), key=lambda p: (p.between, p.inside)) if u > 1 else None
+        step = u * m * spec.B * hkv * (spec.E + spec.Ev) * s
+        if backward:
+            step += u * m * spec.B * hkv * (spec.E + spec.Ev) * a
+        pieces = max(1, -(-int(u * m) // max(block, 1)))
+        ring = max((ring_phase(topology, rg, step, r - 1, pieces) for rg in rings),
+                   key=lambda p: (p.between, p.inside))
+        return [p for p in (a2a, ring) if p is not None]
+
+    def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
+        """A member computes ``1/u`` of the heads of its group's rows: the busiest group's share / u."""
+        groups, _ = self.grid(topology)
+        total = float(row_pairs.sum())
+        if total <= 0:
+            return 1.0 / topology.P
+        segs = all_segments(spec.N, topology.P, spec.layout)
+        share = max(sum(float(row_pairs[g0:g0 + ln].sum()) for rank in grp for g0, ln in segs[rank])
+                    for grp in groups) / total
+        return share / self.u
+
+    def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
+        moved = spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
+                                          + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+        return blocked_memory(spec, P, block, backward, moved=moved)
+
+    # ------------------------------------------------------------- the call
+    def _plan(self, c: Any, pb: Any) -> tuple:
+        """This rank's group and ring Comms, the head lists, row counts, and the ring's Problem."""
+        s = pb.spec
+        groups, rings = self.grid(c.topology)
+        g = next(i for i, grp in enumerate(groups) if c.rank in grp)
+        j = groups[g].index(c.rank)
+        gc, rc = c.split(groups[g]), c.split(rings[j])
+        for sub in (gc, rc):  # CuPy buffers: the parent's transport (collective on each sub)
+            if c.device_transport is not None and sub.device_transport is None:
+                configure(sub, transport=c.device_transport.name)
+        hq = s.H // self.u
+        q_heads = [list(range(i * hq, (i + 1) * hq)) for i in range(self.u)]
+        kv_heads = [self._kv_heads(s, self.u, i) for i in range(self.u)]
+        q_segs = all_segments(s.N, c.size, s.layout)
+        k_segs = all_segments(s.M, c.size, s.kv_layout)
+        q_lay = Layout([[(a, a + ln) for rank in grp for a, ln in q_segs[rank]] for grp in groups])
+        k_lay = Layout([[(a, a + ln) for rank in grp for a, ln in k_segs[rank]] for grp in groups])
+        n_rows = [local_lengths(s.N, c.size, s.layout)[rank] for rank in groups[g]]
+        m_rows = [local_lengths(s.M, c.size, s.kv_layout)[rank] for rank in groups[g]]
+        spec_r = replace(s, H=hq, Hkv=len(kv_heads[j]), layout=q_lay, kv_layout=k_lay)
+        pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING)
+        return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r
+
+    @staticmethod
+    def _group_mask(gc: Any, mask: Any, m_rows: list) -> Any:
+        """The group's padding ``(B, sum m_rows)`` on every member (member order), or None."""
+        if mask is None:
+            return None
+        return to_heads(gc, mask[:, None, :, None], [[0]] * gc.size, m_rows)[:, 0, :, 0]
+
+    def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
+        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r = self._plan(c, pb)
+        qh = to_heads(gc, q, q_heads, n_rows)
+        kh = to_heads(gc, k, kv_heads, m_rows)
+        vh = to_heads(gc, v, kv_heads, m_rows)
+        o, lse = _RING.forward(rc, pb_r, qh, kh, vh, self._group_mask(gc, mask, m_rows), progress)
+        out = to_rows(gc, o.astype(pb.spec.dtype, copy=False), q_heads, n_rows, pb.spec.H)
+        lse = to_rows(gc, lse[..., None], q_heads, n_rows, pb.spec.H)[..., 0]
+        return out, lse
+
+    def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                 D: Any, mask: Any, progress: Any) -> tuple:
+        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r = self._plan(c, pb)
+        s = pb.spec
+        xp = backend.array_module(lse)
+        qh = to_heads(gc, q, q_heads, n_rows)
+        kh = to_heads(gc, k, kv_heads, m_rows)
+        vh = to_heads(gc, v, kv_heads, m_rows)
+        doh = to_heads(gc, dout, q_heads, n_rows)
+        oh = to_heads(gc, out, q_heads, n_rows) if pb.engine.capabilities.needs_out else None
+        stats = xp.stack([lse.astype(s.acc_dtype), D], axis=-1)
+        sh = to_heads(gc, stats, q_heads, n_rows)
+        dq, dk, dv = _RING.backward(rc, pb_r, doh, qh, kh, vh, oh, sh[..., 0], sh[..., 1],
+                                    self._group_mask(gc, mask, m_rows), progress)
+        return (to_rows(gc, dq, q_heads, n_rows, s.H), to_rows(gc, dk, kv_heads, m_rows, s.Hkv),
+                to_rows(gc, dv, kv_heads, m_rows, s.Hkv))

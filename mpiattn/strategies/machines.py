@@ -1,0 +1,200 @@
+"""What the cost model knows of a machine: its links and its compute rates, named or calibrated.
+
+A :class:`Machine` has an alpha-beta :class:`Link` for each link class
+(``inside`` a node, ``between`` nodes), a compute rate for attention per
+dtype (FLOP/s of one rank, forward; the backward runs at
+``backward_ratio`` of it), and how much of a ring's transfer can hide behind
+compute (``overlap``). Named profiles (:data:`PROFILES`) give documented
+defaults for machine classes, each number with its source;
+``python -m mpiattn calibrate`` measures one on the current allocation and
+writes it as JSON (:meth:`Machine.save`), which :func:`load` reads back.
+
+Which machine a call uses (:func:`resolve_name`): the ``machine`` option (a
+profile name or a JSON file), else the environment variable
+``MPIATTN_MACHINE`` (read once per call, agreed by every rank), else the
+default profile of the arrays' device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+__all__ = ["Link", "Machine", "PROFILES", "DEFAULT_FOR_DEVICE", "MACHINE_VARIABLE", "load",
+           "resolve_name"]
+
+#: The environment variable naming a profile or a calibration file (read once per call).
+MACHINE_VARIABLE = "MPIATTN_MACHINE"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class: a message of ``b`` bytes takes ``latency_s + b / bandwidth`` seconds.
+
+    Attributes
+    ----------
+    latency_s : float
+        Seconds per message (alpha).
+    bandwidth : float
+        Bytes per second one rank can send over it (1/beta).
+    """
+
+    latency_s: float
+    bandwidth: float
+
+    def time(self, nbytes: float, messages: float = 1) -> float:
+        return messages * self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A machine class for the cost model (see the module docstring).
+
+    Attributes
+    ----------
+    name : str
+    inside, between : Link
+        Links inside a node and between nodes.
+    rates : dict of str to float
+        dtype name -> attention forward FLOP/s of one rank.
+    backward_ratio : float
+        The backward's FLOP/s relative to the forward's.
+    overlap : float
+        The fraction of a ring's transfer time that can hide behind compute.
+    memory : float
+        Bytes one rank may use (0: unknown, everything fits).
+    sources : dict of str to str
+        Where each number comes from.
+    """
+
+    name: str
+    inside: Link
+    between: Link
+    rates: dict
+    backward_ratio: float = 0.8
+    overlap: float = 1.0
+    memory: float = 0.0
+    sources: dict = field(default_factory=dict, compare=False)
+
+    def fits(self, nbytes: float) -> bool:
+        """Whether ``nbytes`` per rank fit (always, when the memory is unknown)."""
+        return self.memory <= 0 or nbytes <= self.memory
+
+    def rate(self, dtype: Any) -> float:
+        """Forward FLOP/s of one rank for ``dtype`` (a name or a dtype)."""
+        key = getattr(dtype, "name", str(dtype))
+        if key not in self.rates:
+            raise ValueError(f"machine {self.name!r} has no compute rate for {key}; it has "
+                             f"{', '.join(self.rates)}")
+        return float(self.rates[key])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Machine":
+        try:
+            return cls(name=str(d["name"]), inside=Link(**d["inside"]), between=Link(**d["between"]),
+                       rates={str(k): float(v) for k, v in d["rates"].items()},
+                       backward_ratio=float(d.get("backward_ratio", 0.8)),
+                       overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
+                       sources=dict(d.get("sources", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a machine description: {exc}") from None
+
+    def save(self, path: str) -> None:
+        """Write this machine as JSON (whole or not at all: a temporary file renamed over ``path``)."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def with_rates(self, **rates: float) -> "Machine":
+        return replace(self, rates={**self.rates, **rates})
+
+
+_ENV = "shared/environment.md (measured on this project's 2-core machines, 2026-11-30/12-01)"
+
+#: Documented machine classes. Every number cites its source.
+PROFILES: dict[str, Machine] = {
+    "h200-nvlink-ndr": Machine(
+        name="h200-nvlink-ndr",
+        inside=Link(3e-6, 350e9), between=Link(5e-6, 45e9),
+        rates={"bfloat16": 600e12, "float16": 600e12, "float32": 60e12, "float64": 30e12},
+        backward_ratio=0.75, overlap=0.9, memory=141e9 * 0.9,
+        sources={
+            "memory": "141 GB HBM3e per H200 (NVIDIA H200 datasheet); 90 % usable",
+            "inside": "NVLink 4 on H200 SXM: 900 GB/s bidirectional per GPU (NVIDIA H200 "
+                      "datasheet); 350 GB/s one way as achievable all-to-all bus bandwidth "
+                      "(nccl-tests on 8-GPU Hopper nodes report 350-400 GB/s); 3 us per "
+                      "message (NCCL's launch and protocol latency)",
+            "between": "InfiniBand NDR, one 400 Gb/s ConnectX-7 per GPU (NVIDIA DGX H200 "
+                       "user guide): 50 GB/s, 45 GB/s achievable; 5 us per message",
+            "rates": "bf16/fp16: FlashAttention-3 reaches 600-740 TFLOP/s forward on H100 "
+                     "(Shah et al. 2024) and this project measured bf16 GEMMs at 770-800 "
+                     "TFLOP/s on the H200 it may use (" + _ENV + "); 600 TFLOP/s forward. "
+                     "fp32 (TF32 off): 67 TFLOP/s FP32 peak (H200 datasheet), 60 "
+                     "sustained; fp64: 34 TFLOP/s peak, 30 sustained",
+            "backward_ratio": "FlashAttention-3's backward runs at about 3/4 of its forward's "
+                              "FLOP/s (Shah et al. 2024)",
+            "overlap": "a ring step's transfer overlaps compute on separate copy engines and "
+                       "NICs; 10 % kept exposed for launch and synchronisation",
+        }),
+    "cpu-node": Machine(
+        name="cpu-node",
+        inside=Link(2e-6, 8e9), between=Link(2e-6, 12e9),
+        rates={"bfloat16": 60e9, "float16": 40e9, "float32": 80e9, "float64": 40e9},
+        backward_ratio=0.85, overlap=0.0, memory=8 * 2**30,
+        sources={
+            "memory": "an assumption, not a measurement: a dual-socket node of 256 GiB with one "
+                      "rank per core on 32 cores, 8 GiB each (calibrate measures the real one)",
+            "inside": "shared-memory MPI point-to-point: about 2 us and 7-10 GB/s (" + _ENV + ")",
+            "between": "InfiniBand HDR 100 Gb/s (12.5 GB/s), a common CPU-cluster fabric; "
+                       "about 2 us per message",
+            "rates": "one rank, one BLAS thread: torch's CPU flash attention forward runs at "
+                     "79 GFLOP/s in float32, the native engine at 0.9x of it; float64 GEMM at "
+                     "half the float32 rate; float16 through float32 copies (" + _ENV + "); "
+                     "bfloat16 likewise, through float32",
+            "backward_ratio": "native engine forward+backward 1.38x the forward time at 2.5x "
+                              "its FLOPs (" + _ENV + "): about 0.85",
+            "overlap": "no transfer hides behind compute when every core computes: MPI's "
+                       "shared-memory copies are CPU memcpy (" + _ENV + ")",
+        }),
+}
+
+#: The profile a call uses when none is named, by the arrays' device.
+DEFAULT_FOR_DEVICE = {"numpy": "cpu-node", "cupy": "h200-nvlink-ndr"}
+
+
+def load(name_or_path: str) -> Machine:
+    """A named profile, or a machine written by ``python -m mpiattn calibrate`` (JSON).
+
+    Raises
+    ------
+    ValueError
+        Neither a profile nor a readable machine file.
+    """
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    try:
+        with open(name_or_path, encoding="utf-8") as f:
+            return Machine.from_dict(json.load(f))
+    except FileNotFoundError:
+        raise ValueError(f"machine {name_or_path!r} is neither a profile ({', '.join(PROFILES)}) "
+                         "nor a file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read machine file {name_or_path}: {exc}") from None
+
+
+def resolve_name(requested: str | None, device: str) -> str:
+    """The machine a call uses: ``requested``, else ``$MPIATTN_MACHINE``, else the device's default."""
+    if requested:
+        return requested
+    return os.environ.get(MACHINE_VARIABLE, "").strip() or DEFAULT_FOR_DEVICE.get(device, "cpu-node")

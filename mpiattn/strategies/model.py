@@ -1,0 +1,138 @@
+"""The cost model: a strategy's work and traffic on a machine, as time.
+
+For a call (:class:`~mpiattn.strategies.spec.AttentionSpec`), a topology
+(:class:`~mpiattn.comm.topology.Topology`) and a machine
+(:class:`~mpiattn.strategies.machines.Machine`)::
+
+    compute  = FLOPs x (the busiest rank's share of the visible pairs) / rate
+    phase    = messages x latency + max(inside / bw_inside, between / bw_between)
+    pass     = compute + the phases that cannot overlap
+               + max(the overlappable ones - overlap x compute, (1 - overlap) x them)
+
+with FLOPs ``2 B H (E + Ev)`` per visible (query, key) pair forward and 2.5
+times that backward (five GEMMs against two), the backward's rate
+``backward_ratio`` times the forward's, and the phases those the strategy
+declares (:meth:`~mpiattn.strategies.base.Strategy.traffic`, the busiest
+rank's bytes per link class). Visible pairs count the causal and window
+rules; documents and padding are not counted (the model then overestimates
+the compute, alike for every strategy). ``auto`` takes the candidate with the
+smallest predicted forward+backward time among those whose memory per rank
+fits the machine's (:func:`choose`); ``python -m mpiattn plan`` prints the
+whole table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .base import Phase, Strategy
+from .machines import Machine
+
+__all__ = ["Prediction", "row_pairs", "predict", "choose"]
+
+#: Backward FLOPs per forward FLOP (five GEMMs per tile against two).
+BACKWARD_FLOPS = 2.5
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts for one configured strategy.
+
+    Attributes
+    ----------
+    strategy : str
+        Its label (e.g. ``"hybrid:2x2"``).
+    forward_s, backward_s : float
+        Seconds of a forward pass and of a backward pass.
+    compute_s : float
+        Of the forward, the busiest rank's compute.
+    inside, between : float
+        Bytes the busiest rank sends inside its node and between nodes, forward
+        plus backward.
+    memory : int
+        Peak bytes per rank (forward and backward, native engine).
+    ideal_s : float
+        Forward plus backward of the whole call on one rank, divided by the
+        number of ranks: perfect balance, no communication.
+    """
+
+    strategy: str
+    forward_s: float
+    backward_s: float
+    compute_s: float
+    inside: float
+    between: float
+    memory: int
+    ideal_s: float
+
+    @property
+    def fwdbwd_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def efficiency(self) -> float:
+        """Parallel efficiency of forward plus backward: ``ideal_s / fwdbwd_s``."""
+        return self.ideal_s / self.fwdbwd_s if self.fwdbwd_s > 0 else 1.0
+
+
+def row_pairs(spec: Any) -> np.ndarray:
+    """Visible keys of every query row under the causal and window rules, ``(N,)`` float64."""
+    i = np.arange(spec.N, dtype=np.float64)
+    lo, hi = spec.mask.band()
+    jlo = np.maximum(0.0, i + lo) if lo > -np.inf else np.zeros_like(i)
+    jhi = np.minimum(spec.M - 1.0, i + hi) if hi < np.inf else np.full_like(i, spec.M - 1.0)
+    return np.maximum(jhi - jlo + 1.0, 0.0)
+
+
+def _phase_time(p: Phase, machine: Machine) -> float:
+    link = machine.between if p.between > 0 else machine.inside
+    return (p.messages * link.latency_s
+            + max(p.inside / machine.inside.bandwidth, p.between / machine.between.bandwidth))
+
+
+def _pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:
+    fixed = sum(_phase_time(p, machine) for p in phases if not p.overlap)
+    ring = sum(_phase_time(p, machine) for p in phases if p.overlap)
+    hidden = max(ring - machine.overlap * compute, (1.0 - machine.overlap) * ring)
+    return compute + fixed + hidden
+
+
+def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: Machine,
+            pairs: np.ndarray | None = None, rate_dtype: str | None = None) -> Prediction:
+    """The model's :class:`Prediction` for ``strategy`` (configured) running ``spec`` on ``topology``.
+
+    ``pairs`` (:func:`row_pairs` of the spec) may be passed to save recomputing it;
+    ``rate_dtype`` names the compute rate to use when it is not the spec's dtype
+    (``plan`` sizes bfloat16 as float16, both two bytes, and times it as bfloat16).
+    """
+    pairs = row_pairs(spec) if pairs is None else pairs
+    per_pair = 2.0 * spec.B * spec.H * (spec.E + spec.Ev)
+    total = per_pair * float(pairs.sum())
+    rate = machine.rate(rate_dtype or spec.dtype)
+    bwd_rate = rate * machine.backward_ratio
+    share = strategy.work(spec, topology, pairs)
+    fwd_compute = total * share / rate
+    bwd_compute = BACKWARD_FLOPS * total * share / bwd_rate
+    fwd_phases = strategy.traffic(spec, topology, block, backward=False)
+    bwd_phases = strategy.traffic(spec, topology, block, backward=True)
+    phases = [*fwd_phases, *bwd_phases]
+    ideal = (total / rate + BACKWARD_FLOPS * total / bwd_rate) / topology.P
+    return Prediction(strategy.label, _pass_time(fwd_compute, fwd_phases, machine),
+                      _pass_time(bwd_compute, bwd_phases, machine), fwd_compute,
+                      sum(p.inside for p in phases), sum(p.between for p in phases),
+                      strategy.memory(spec, topology.P, block, True), ideal)
+
+
+def choose(strategies: Sequence[Strategy], spec: Any, topology: Any, block: int,
+           machine: Machine, rate_dtype: str | None = None) -> tuple[Strategy, Prediction]:
+    """The candidate with the smallest predicted forward+backward time among those whose
+    memory fits the machine's (all of them when none fits); ties go to the first."""
+    pairs = row_pairs(spec)
+    preds = [(s, predict(s, spec, topology, block, machine, pairs, rate_dtype)) for s in strategies]
+    if not preds:
+        raise ValueError("no strategy supports this call")
+    fitting = [sp for sp in preds if machine.fits(sp[1].memory)] or preds
+    return min(fitting, key=lambda sp: sp[1].fwdbwd_s)
