@@ -18,7 +18,7 @@ from .. import backend
 from ..layouts import all_segments
 from .core import Comm, Request
 
-__all__ = ["Piece", "row_pieces", "circulate"]
+__all__ = ["Piece", "Route", "row_pieces", "circulate"]
 
 
 @dataclass
@@ -58,8 +58,62 @@ def row_pieces(segs: Sequence[tuple[int, int]], block: int) -> list[tuple[int, i
     return out
 
 
+@dataclass(frozen=True)
+class Route:
+    """The path of every block, as one rank sees it: at step ``t`` (0 .. P-1) it holds the
+    block of ``owners[t]``, received from ``came_from[t]`` (``t >= 1``) and forwarded to
+    ``goes_to[t]`` (``t <= P-2``); its own block's accumulators come home from ``home_from``.
+
+    Every block visits every rank once, in P-1 moves.
+    """
+
+    owners: tuple
+    came_from: tuple
+    goes_to: tuple
+    home_from: int
+
+    @classmethod
+    def ring(cls, P: int, r: int) -> "Route":
+        """The ring ``r-1 -> r -> r+1``: rank ``r`` sees ``r, r-1, ..., r-P+1``."""
+        return cls.two_level([list(range(P))], r)
+
+    @classmethod
+    def two_level(cls, nodes: Sequence[Sequence[int]], r: int) -> "Route":
+        """A ring inside each node, and across the nodes between inner rounds (a double ring).
+
+        ``nodes`` lists the ranks of each node, ``w`` of them on each. Rank ``(g, i)`` (node
+        ``g``, local ``i``) holds at step ``t`` the block of ``(g - b, i - a)`` with ``b = t // w``
+        and ``a = t - b``: ``w - 1`` moves to the next rank of the node, then one to the same
+        local rank of the next node, so each rank sends between nodes ``len(nodes) - 1`` times.
+        """
+        w, R = len(nodes[0]), len(nodes)
+        if any(len(nd) != w for nd in nodes):
+            raise ValueError("a two-level route needs the same number of ranks on every node")
+        g, i = next((gi, nd.index(r)) for gi, nd in enumerate(nodes) if r in nd)
+        P = w * R
+
+        def at(dg: int, di: int) -> int:
+            return nodes[(g + dg) % R][(i + di) % w]
+
+        def ab(t: int) -> tuple[int, int]:
+            return t - t // w, t // w
+
+        owners, came, goes = [], [], []
+        for t in range(P):
+            a, b = ab(t)
+            owners.append(at(-b, -a))
+            if t >= 1:
+                a0, b0 = ab(t - 1)
+                came.append(at(b0 - b, a0 - a))
+            if t <= P - 2:
+                a1, b1 = ab(t + 1)
+                goes.append(at(b1 - b, a1 - a))
+        a, b = ab(P - 1)
+        return cls(tuple(owners), (None, *came), tuple(goes), at(b, a))
+
+
 def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
-              acc_out: Sequence[Any] = ()) -> Iterator[Piece]:
+              acc_out: Sequence[Any] = (), route: Route | None = None) -> Iterator[Piece]:
     """Stream every rank's rows past this rank, block by block, in ring order.
 
     Rank ``r`` sees its own rows first, then those of ``r-1``, ``r-2``,
@@ -103,13 +157,12 @@ def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
     index) plus sends that have not completed yet.
     """
     P, r = c.size, c.rank
-    nxt, prv = (r + 1) % P, (r - 1) % P
+    route = Route.ring(P, r) if route is None else route
     segs = all_segments(n, P, layout)
     block = max(1, int(block))
-    order: list[tuple[int, int, int, int]] = []  # (owner, gstart, lstart, rows)
-    for s in range(P):
-        o = (r - s) % P
-        order.extend((o, g, l, k) for g, l, k in row_pieces(segs[o], block))
+    order: list[tuple[int, int, int, int, int]] = []  # (step, owner, gstart, lstart, rows)
+    for t, o in enumerate(route.owners):
+        order.extend((t, o, g, l, k) for g, l, k in row_pieces(segs[o], block))
 
     xp = backend.array_module(*data, *acc_out)
     lead_d = [(d.shape[:-2], d.shape[-1], d.dtype) for d in data]
@@ -117,22 +170,23 @@ def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
     sends: list[Request] = []
 
     def post_recv(idx: int) -> tuple[list, list, list]:
-        o, _, _, k = order[idx]
+        t, _, _, _, k = order[idx]
+        src = route.came_from[t]
         bufs_d = [xp.empty(lead + (k, w), dtype=dt) for lead, w, dt in lead_d]
-        reqs = [c.irecv(b, prv, 10 + i) for i, b in enumerate(bufs_d)]
+        reqs = [c.irecv(b, src, 10 + i) for i, b in enumerate(bufs_d)]
         bufs_a: list = []
         if acc_out:
-            if o == prv:  # first stop of this piece: fresh accumulators
+            if t == 1:  # first stop of this piece: fresh accumulators
                 bufs_a = [xp.zeros(lead + (k, u), dtype=dt) for lead, u, dt in lead_a]
             else:
                 bufs_a = [xp.empty(lead + (k, u), dtype=dt) for lead, u, dt in lead_a]
-                reqs += [c.irecv(b, prv, 100 + j) for j, b in enumerate(bufs_a)]
+                reqs += [c.irecv(b, src, 100 + j) for j, b in enumerate(bufs_a)]
         return bufs_d, bufs_a, reqs
 
-    n_own = sum(1 for o, *_ in order if o == r)
+    n_own = sum(1 for t, *_ in order if t == 0)
     pending = post_recv(n_own) if n_own < len(order) else None
-    for idx, (o, g, l, k) in enumerate(order):
-        if o == r:
+    for idx, (t, o, g, l, k) in enumerate(order):
+        if t == 0:
             bufs_d = [xp.ascontiguousarray(d[..., l:l + k, :]) for d in data]
             bufs_a = [a[..., l:l + k, :] for a in acc_out]
         else:
@@ -140,17 +194,18 @@ def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
             for q in reqs:
                 q.wait()
             pending = post_recv(idx + 1) if idx + 1 < len(order) else None
-        if nxt != o:  # the next rank still needs these rows
-            sends += [c.isend(b, nxt, 10 + i) for i, b in enumerate(bufs_d)]
+        if t < P - 1:  # another rank still needs these rows
+            sends += [c.isend(b, route.goes_to[t], 10 + i) for i, b in enumerate(bufs_d)]
         yield Piece(o, g, g + k, slice(l, l + k), tuple(bufs_d), tuple(bufs_a))
-        if acc_out and o != r:  # pass the accumulators on (or home)
-            sends += [c.isend(b, nxt, 100 + j) for j, b in enumerate(bufs_a)]
+        if acc_out and t > 0:  # pass the accumulators on (or home)
+            dest = route.goes_to[t] if t < P - 1 else o
+            sends += [c.isend(b, dest, 100 + j) for j, b in enumerate(bufs_a)]
         sends = [s for s in sends if not s.req.Test()]
 
     if acc_out and P > 1:
         for g, l, k in row_pieces(segs[r], block):
             homes = [xp.empty(lead + (k, u), dtype=dt) for lead, u, dt in lead_a]
-            reqs = [c.irecv(b, prv, 100 + j) for j, b in enumerate(homes)]
+            reqs = [c.irecv(b, route.home_from, 100 + j) for j, b in enumerate(homes)]
             for j, q in enumerate(reqs):
                 q.wait()
                 acc_out[j][..., l:l + k, :] += homes[j]

@@ -49,6 +49,11 @@ class Topology:
         if ranks != list(range(len(ranks))):
             raise ValueError(f"a topology must place each rank 0..P-1 on exactly one node, got {self.nodes}")
         object.__setattr__(self, "nodes", nodes)
+        where = [0] * len(ranks)
+        for i, n in enumerate(nodes):
+            for r in n:
+                where[r] = i
+        object.__setattr__(self, "_where", tuple(where))
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -122,17 +127,16 @@ class Topology:
 
     def node_of(self, rank: int) -> int:
         """The index of ``rank``'s node."""
-        for i, n in enumerate(self.nodes):
-            if rank in n:
-                return i
-        raise ValueError(f"rank {rank} is not in this topology of {self.P} ranks")
+        if not 0 <= rank < len(self._where):
+            raise ValueError(f"rank {rank} is not in this topology of {self.P} ranks")
+        return self._where[rank]
 
     def local_rank(self, rank: int) -> int:
         """``rank``'s index among the ranks of its node."""
         return self.nodes[self.node_of(rank)].index(rank)
 
     def same_node(self, a: int, b: int) -> bool:
-        return self.node_of(a) == self.node_of(b)
+        return self._where[a] == self._where[b]
 
     def node_major(self) -> tuple[int, ...]:
         """The ranks ordered node by node (each node's ranks in increasing order)."""

@@ -58,12 +58,15 @@ class Phase:
         Sequential messages (each pays its link's latency once).
     overlap : bool
         The transfers can hide behind the pass's compute (a ring's do).
+    steps : int
+        Of a ring: its steps, each hiding behind one block's compute.
     """
 
     inside: float = 0.0
     between: float = 0.0
     messages: int = 0
     overlap: bool = False
+    steps: int = 0
 
 
 def ring_phase(topology: Any, ring: Sequence[int], step_bytes: float, steps: int,
@@ -77,7 +80,7 @@ def ring_phase(topology: Any, ring: Sequence[int], step_bytes: float, steps: int
         return Phase(overlap=True)
     crosses = any(not topology.same_node(a, b) for a, b in zip(ring, [*ring[1:], ring[0]]))
     total = step_bytes * steps
-    return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True)
+    return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True, steps)
 
 
 def spread_phase(topology: Any, group: Sequence[int], bytes_per_dest: float,

@@ -17,10 +17,11 @@ default profile of the arrays' device.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from ..io.jsonfile import read_json, write_json
 
 __all__ = ["Link", "Machine", "PROFILES", "DEFAULT_FOR_DEVICE", "MACHINE_VARIABLE", "load",
            "resolve_name"]
@@ -105,16 +106,8 @@ class Machine:
             raise ValueError(f"not a machine description: {exc}") from None
 
     def save(self, path: str) -> None:
-        """Write this machine as JSON (whole or not at all: a temporary file renamed over ``path``)."""
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-                f.write("\n")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        """Write this machine as JSON (whole or not at all)."""
+        write_json(path, self.to_dict())
 
     def with_rates(self, **rates: float) -> "Machine":
         return replace(self, rates={**self.rates, **rates})
@@ -184,13 +177,12 @@ def load(name_or_path: str) -> Machine:
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     try:
-        with open(name_or_path, encoding="utf-8") as f:
-            return Machine.from_dict(json.load(f))
+        return Machine.from_dict(read_json(name_or_path))
     except FileNotFoundError:
         raise ValueError(f"machine {name_or_path!r} is neither a profile ({', '.join(PROFILES)}) "
                          "nor a file") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read machine file {name_or_path}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"machine file {name_or_path}: {exc}") from None
 
 
 def resolve_name(requested: str | None, device: str) -> str:

@@ -7,7 +7,8 @@ For a call (:class:`~mpiattn.strategies.spec.AttentionSpec`), a topology
     compute  = FLOPs x (the busiest rank's share of the visible pairs) / rate
     phase    = messages x latency + max(inside / bw_inside, between / bw_between)
     pass     = compute + the phases that cannot overlap
-               + max(the overlappable ones - overlap x compute, (1 - overlap) x them)
+               + for each ring step: max(its transfer - overlap x one block's compute,
+                                         (1 - overlap) x its transfer)
 
 with FLOPs ``2 B H (E + Ev)`` per visible (query, key) pair forward and 2.5
 times that backward (five GEMMs against two), the backward's rate
@@ -94,10 +95,17 @@ def _phase_time(p: Phase, machine: Machine) -> float:
 
 
 def _pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:
+    """Compute, the phases that cannot overlap, and what the ring steps leave exposed: each
+    step hides behind one block's compute (``compute / (steps + 1)``, the first block needing
+    no transfer) up to the machine's ``overlap``."""
     fixed = sum(_phase_time(p, machine) for p in phases if not p.overlap)
-    ring = sum(_phase_time(p, machine) for p in phases if p.overlap)
-    hidden = max(ring - machine.overlap * compute, (1.0 - machine.overlap) * ring)
-    return compute + fixed + hidden
+    rings = [p for p in phases if p.overlap and p.steps > 0]
+    per_step = compute / (sum(p.steps for p in rings) + 1)
+    exposed = 0.0
+    for p in rings:
+        tau = _phase_time(p, machine) / p.steps
+        exposed += p.steps * max(tau - machine.overlap * per_step, (1.0 - machine.overlap) * tau)
+    return compute + fixed + exposed
 
 
 def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: Machine,

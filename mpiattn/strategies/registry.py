@@ -23,6 +23,7 @@ from typing import Any
 
 from .allgather import Allgather
 from .base import Strategy
+from .double_ring import DoubleRing
 from .hybrid import PLACEMENTS, Hybrid
 from .materialized import Materialized
 from .model import Prediction, choose, predict, row_pairs
@@ -33,7 +34,7 @@ __all__ = ["STRATEGIES", "NAMES", "Row", "get", "needs_choice", "pool", "resolve
 
 #: Every strategy, by name (the order breaks ties in ``auto``).
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (Ring(), Allgather(), Ulysses(), Materialized(),
-                                                       Hybrid())}
+                                                       Hybrid(), DoubleRing())}
 
 #: Accepted values of ``strategy=`` (``auto`` first); a strategy may take a
 #: configuration after a colon (``hybrid:2x2``).

@@ -273,5 +273,5 @@ def test_contract(comm, xp, strategy, engine, case):
 def test_the_suite_covers_every_registered_strategy_and_engine():
     """Adding a strategy or an engine to its registry adds it here: nothing to edit."""
     assert set(registry.STRATEGIES) - {"hybrid"} <= set(STRATEGIES) and ENGINES == list(engines.ENGINES)
-    assert {"ring", "allgather", "ulysses", "materialized", "hybrid:1x1", "hybrid:2x2", "hybrid:1x4",
+    assert {"ring", "allgather", "ulysses", "materialized", "double-ring", "hybrid:1x1", "hybrid:2x2", "hybrid:1x4",
             "hybrid:4x1", "hybrid:3x1", "hybrid:2x2:ring-first"} <= set(STRATEGIES)

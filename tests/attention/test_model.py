@@ -1,0 +1,163 @@
+"""The cost model, the machines it knows, and how ``auto`` and ``hybrid`` choose with it."""
+
+import json
+
+import numpy as np
+import pytest
+
+import mpiattn
+from mpiattn import cli
+from mpiattn.comm.topology import Topology
+from mpiattn.strategies import AttentionSpec, Options, machines, model, registry
+from mpiattn.strategies.hybrid import Hybrid
+
+
+def _spec(N=4096, H=8, Hkv=8, E=64, causal=False, dtype="float32", **kw):
+    o = Options(causal=causal, layout="zigzag" if causal else "contiguous", **kw)
+    return AttentionSpec.from_shapes((1, H, N, E), (1, Hkv, N, E), (1, Hkv, N, E), dtype, o)
+
+
+def test_names_and_configurations():
+    assert registry.get("hybrid:2x2") == Hybrid(2, 2)
+    assert registry.get("hybrid:2x2:ring-first").placement == "ring-first"
+    assert registry.needs_choice("auto") and registry.needs_choice("hybrid")
+    assert not registry.needs_choice("hybrid:2x2") and not registry.needs_choice("ring")
+    for bad, match in (("hybrid:2x", "expected hybrid:UxR"), ("ring:2", "takes no configuration"),
+                       ("auto:2", "unknown strategy"), ("hybrid:0x4", "must be >= 1"),
+                       ("hybrid:2x2:sideways", "placement"), ("rings", "unknown strategy")):
+        with pytest.raises(ValueError, match=match):
+            registry.get(bad)
+    assert "hybrid:2x2" in registry.variants(4) and "hybrid:3x1" not in registry.variants(4)
+
+
+def test_hybrid_splits_and_what_they_support():
+    topo = Topology.blocks(4, 2)
+    assert [c.label for c in Hybrid().candidates(_spec(H=8, Hkv=2), topo)] == \
+        ["hybrid:1x4", "hybrid:2x2", "hybrid:4x1"]  # Hkv = 2 < u = 4: key/value heads replicated
+    assert [c.label for c in Hybrid().candidates(_spec(H=6, Hkv=3), topo)] == ["hybrid:1x4"]
+    assert "do not divide" in Hybrid(4, 1).supports(_spec(H=6, Hkv=6), topo)
+    assert "needs U x R = 2 ranks" in Hybrid(2, 1).supports(_spec(), topo)
+    groups, rings = Hybrid(2, 2).grid(Topology.parse("0,1,0,1", 4))
+    assert groups == [[0, 2], [1, 3]] and rings == [[0, 1], [2, 3]]  # head groups inside the nodes
+    groups, _ = Hybrid(2, 2, "ring-first").grid(Topology.parse("0,1,0,1", 4))
+    assert groups == [[0, 1], [2, 3]]
+
+
+def test_auto_takes_the_fastest_prediction_that_fits():
+    topo = Topology.blocks(16, 8)
+    machine = machines.PROFILES["h200-nvlink-ndr"]
+    spec = _spec(N=1 << 17, H=32, Hkv=8, E=128, causal=True, dtype="float16")
+    chosen, why = registry.resolve(spec, topo, 512, machine)
+    rows = registry.table(spec, topo, 512, machine)
+    pickable = [r for r in rows if r.prediction is not None and r.pickable and r.fits]
+    best = min(pickable, key=lambda r: r.prediction.fwdbwd_s)
+    assert chosen.label == best.label and [r.label for r in rows if r.auto] == [best.label]
+    assert machine.name in why and "parallel efficiency" in why
+    small = machines.Machine("tiny", machine.inside, machine.between, machine.rates, memory=1.0)
+    assert "no candidate fits" in registry.resolve(spec, topo, 512, small)[1]
+    hyb = registry.resolve(_spec(N=1 << 17, H=32, Hkv=8, E=128, causal=True, dtype="float16",
+                                 strategy="hybrid"), topo, 512, machine)[0]
+    assert hyb.name == "hybrid" and hyb.u is not None
+
+
+def test_the_model_by_hand():
+    """One ring step on one node: compute, transfers hidden up to the overlap."""
+    link = machines.Link(1e-5, 1e9)
+    m = machines.Machine("m", link, link, {"float32": 1e9}, backward_ratio=0.5, overlap=0.0)
+    spec, topo = _spec(N=1024, H=1, Hkv=1, E=16), Topology.blocks(2, 2)
+    p = model.predict(registry.get("ring"), spec, topo, 1024, m)
+    flops = 2 * 1024 * 1024 * 32
+    step = 512 * 32 * 4  # m rows of k and v, float32
+    assert p.compute_s == pytest.approx(flops / 2 / 1e9)
+    assert p.forward_s == pytest.approx(flops / 2 / 1e9 + 1e-5 + step / 1e9)
+    assert p.backward_s == pytest.approx(2.5 * flops / 2 / 0.5e9 + 1e-5 + 2 * step / 1e9)
+    assert p.ideal_s == pytest.approx((flops + 2.5 * flops / 0.5) / 1e9 / 2)
+    hidden = model.predict(registry.get("ring"), spec, topo, 1024, machines.Machine(
+        "m", link, link, {"float32": 1e9}, backward_ratio=0.5, overlap=1.0))
+    assert hidden.forward_s == pytest.approx(p.compute_s)  # 17 us of transfer behind 1 ms of compute
+    causal = model.row_pairs(_spec(N=8, causal=True))
+    assert causal.tolist() == list(range(1, 9))
+    window = model.row_pairs(_spec(N=8, window=(2, 1)))
+    assert window.tolist() == [2, 3, 4, 4, 4, 4, 4, 3]
+
+
+def test_machine_files_round_trip(tmp_path):
+    path = tmp_path / "m.json"
+    machines.PROFILES["cpu-node"].save(str(path))
+    assert machines.load(str(path)) == machines.PROFILES["cpu-node"]
+    for text, match in (("{}", "not a machine"), ("{", "cannot read")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            machines.load(str(path))
+    with pytest.raises(ValueError, match="neither a profile"):
+        machines.load(str(tmp_path / "missing.json"))
+    for m in machines.PROFILES.values():  # every number cites its source
+        assert {"inside", "between", "rates", "backward_ratio", "overlap", "memory"} <= set(m.sources)
+
+
+def test_a_call_names_its_machine(comm, monkeypatch):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)
+    used = {}
+    mpiattn.attention(q, q[:, :1], q[:, :1], machine="h200-nvlink-ndr", details=used)
+    assert "h200-nvlink-ndr" in used["strategy_reason"]
+    monkeypatch.setenv(machines.MACHINE_VARIABLE, "h200-nvlink-ndr")
+    mpiattn.attention(q, q[:, :1], q[:, :1], details=used)
+    assert "h200-nvlink-ndr" in used["strategy_reason"]
+    monkeypatch.setenv(machines.MACHINE_VARIABLE, "cpu-node" if comm.rank == 0 else "h200-nvlink-ndr")
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="ranks disagree on the cost model's machine"):
+            mpiattn.attention(q, q[:, :1], q[:, :1])
+    monkeypatch.delenv(machines.MACHINE_VARIABLE)
+    path = "/nonexistent/mpiattn-machine.json"  # the same option on every rank
+    with pytest.raises(ValueError, match="neither a profile"):
+        mpiattn.attention(q, q[:, :1], q[:, :1], machine=path)
+    mpiattn.attention(q, q[:, :1], q[:, :1], machine=path, strategy="ring")  # no choice: not read
+
+
+def test_plan_marks_auto_and_prints_json(comm, capsys):
+    argv = ["plan", "--seq", "65536", "--heads", "32", "--kv-heads", "8", "--dim", "128", "--causal",
+            "--nodes", "4", "--ranks-per-node", "8", "--json"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    if comm.rank:
+        assert out == ""
+        return
+    plan = json.loads(out)
+    rows = [r for r in plan["rows"] if r["supported"]]
+    auto = [r for r in rows if r["auto"]]
+    assert len(auto) == 1 and auto[0]["strategy"] == plan["auto"]
+    assert auto[0]["fwdbwd_s"] == min(r["fwdbwd_s"] for r in rows if r["pickable"] and r["fits"])
+    assert {"hybrid:8x4", "ring", "double-ring"} <= {r["strategy"] for r in rows}
+    assert all(0 < r["efficiency"] <= 1 for r in rows)
+    assert cli.main(argv[:-1]) == 0
+    table = capsys.readouterr().out
+    assert "<- auto" in table and f"auto: {plan['auto']}" in table
+
+
+def test_plan_refuses_bad_machines(comm, capsys, tmp_path):
+    bad = ["plan", "--seq", "64", "--heads", "2", "--dim", "8", "--calibration", str(tmp_path / "x.json")]
+    assert cli.main(bad) == 2
+    assert cli.main(["plan", "--seq", "64", "--heads", "3", "--kv-heads", "2", "--dim", "8"]) == 2
+    err = capsys.readouterr().err
+    assert comm.rank or ("neither a profile" in err and "multiple of --kv-heads" in err)
+
+
+def test_calibrate_writes_a_machine_auto_can_use(comm, capsys, shared_dir):
+    path = f"{shared_dir}/machine.json"
+    argv = ["calibrate", "-o", path, "--megabytes", "1", "--rows", "64", "--heads", "1", "--dim", "8",
+            "--repeat", "1", "-q"]
+    assert cli.main(argv) == 0
+    m = machines.load(path)
+    assert m.inside.latency_s > 0 and m.inside.bandwidth > 0 and m.between.bandwidth > 0
+    assert all(m.rates[d] > 0 for d in ("float64", "float32", "float16", "bfloat16"))
+    assert m.memory > 0 and "measured" in m.sources["rates"]
+    if comm.topology.n_nodes == 1:
+        assert "not measured" in m.sources["between"]
+    if comm.size > 1:
+        assert m.sources["inside" if comm.topology.uniform and comm.topology.sizes[0] > 1 else "between"] \
+            .startswith("measured")
+    q = np.ones((1, 2, 4, 4), np.float32)
+    used = {}
+    mpiattn.attention(q, q, q, machine=path, details=used)
+    assert m.name in used["strategy_reason"]
