@@ -177,6 +177,6 @@ class TorchEngine(Engine):
         return _TorchForward(q, scale, acc_dtype, ev, finite)
 
     def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int) -> _TorchBackward:
+                 acc_dtype: Any, tile: int, fused: bool = False) -> _TorchBackward:
         """Start a backward pass with the global ``out`` and ``lse`` (torch forms ``D`` itself)."""
         return _TorchBackward(q, dout, out, lse, scale, acc_dtype)
