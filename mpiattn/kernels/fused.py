@@ -227,28 +227,47 @@ def _kernel(cp: Any, name: str, acc: np.dtype, operand: np.dtype) -> Any:
     return cp.RawKernel(source(acc.name, operand.name), name)
 
 
+def _row_stride(x: Any) -> int:
+    """Elements between consecutive rows of a ``(BH, R, K)`` tile laid out as a dense grid of rows."""
+    BH, R, K = x.shape
+    if K > 1 and x.strides[2] != x.itemsize:
+        raise ValueError("the score tile must have unit stride along keys")
+    ld = x.strides[1] // x.itemsize if R > 1 else (x.strides[0] // x.itemsize if BH > 1 else K)
+    if BH > 1 and x.strides[0] // x.itemsize != ld * R:
+        raise ValueError("the score tile's rows must form a dense (BH, R) grid")
+    return ld
+
+
 def _check(S: Any, P: Any, rows: tuple, O: Any = None) -> tuple[np.dtype, np.dtype, int]:
     acc = np.dtype(S.dtype)
     if acc.name not in _TYPES or np.dtype(P.dtype).name not in _P_TYPES:
         raise TypeError(f"fused kernels take float32/float64 scores, got {S.dtype} -> {P.dtype}")
-    if S.ndim != 3 or S.strides[-1] != S.itemsize or P.shape != S.shape:
-        raise ValueError("the score tile must be (BH, R, K) with unit stride along keys")
-    ld = S.strides[-2] // S.itemsize
-    if P.strides[-2] // P.itemsize != ld or S.strides[0] // S.itemsize != ld * S.shape[1] \
-            or P.strides[0] // P.itemsize != ld * S.shape[1]:
-        raise ValueError("S and P must share one row stride over a dense (BH, R) grid of rows")
+    if S.ndim != 3 or P.shape != S.shape:
+        raise ValueError(f"the score tile must be (BH, R, K), got {S.shape} and {P.shape}")
+    ld = _row_stride(S)
+    if _row_stride(P) != ld:
+        raise ValueError("S and P must share one row stride")
+    BH, R = S.shape[:2]
     for x in rows:
-        if x.shape != S.shape[:2] or x.dtype != acc or (x.shape[1] > 1 and x.strides[1] != x.itemsize):
+        if x.shape != (BH, R) or x.dtype != acc or (R > 1 and x.strides[1] != x.itemsize):
             raise ValueError(f"per-row array {x.shape} {x.dtype} does not match scores {S.shape} {acc}")
-    if len({x.strides[0] for x in rows}) > 1:
+    if BH > 1 and len({x.strides[0] for x in rows}) > 1:
         raise ValueError("per-row arrays must share one stride between batch rows")
-    if O is not None and (O.shape[:2] != S.shape[:2] or O.dtype != acc or O.strides[-1] != O.itemsize):
+    if O is not None and (O.shape[:2] != (BH, R) or O.dtype != acc
+                          or (O.shape[2] > 1 and O.strides[2] != O.itemsize)):
         raise ValueError(f"O {O.shape} does not match scores {S.shape}")
     return acc, np.dtype(P.dtype), ld
 
 
+def _stride(x: Any, axis: int, default: int) -> int:
+    """Elements along ``axis`` of ``x``, or ``default`` where the axis has one entry."""
+    return x.strides[axis] // x.itemsize if x.shape[axis] > 1 else default
+
+
 def _extras(bias: Any, band: Any) -> tuple:
-    ld_bias = 0 if bias is None else bias.strides[0] // bias.itemsize
+    if bias is not None and bias.shape[1] > 1 and bias.strides[1] != bias.itemsize:
+        raise ValueError("the padding bias must have unit stride along keys")
+    ld_bias = 0 if bias is None else _stride(bias, 0, bias.shape[1])
     if band is None:
         return ld_bias, (0, 0, 0, 0, 1, np.int32(0))
     q0, k0, lo, hi, group = (int(x) for x in band)
@@ -281,9 +300,9 @@ def softmax_fwd_(S: Any, P: Any, m: Any, l: Any, O: Any, bias: Any = None, band:
         return None
     ld_bias, bnd = _extras(bias, band)
     args = (S, P, m, l, O, bias if bias is not None else np.uint64(0),
-            np.int64(R), np.int64(K), np.int64(ld), np.int64(m.strides[0] // m.itemsize),
-            np.int64(O.shape[-1]), np.int64(O.strides[1] // O.itemsize),
-            np.int64(O.strides[0] // O.itemsize), np.int64(hkv), np.int64(ld_bias),
+            np.int64(R), np.int64(K), np.int64(ld), np.int64(_stride(m, 0, R)),
+            np.int64(O.shape[-1]), np.int64(_stride(O, 1, O.shape[-1])),
+            np.int64(_stride(O, 0, R * O.shape[-1])), np.int64(hkv), np.int64(ld_bias),
             *(np.int64(x) for x in bnd[:5]), bnd[5])
     _kernel(xp, "mpiattn_softmax_fwd", acc, op)((BH * R,), (_threads(K),), args)
     return None
@@ -306,7 +325,7 @@ def softmax_bwd_(S: Any, dP: Any, P: Any, dS: Any, lse: Any, D: Any, bias: Any =
         return None
     ld_bias, bnd = _extras(bias, band)
     args = (S, dP, P, dS, lse, D, bias if bias is not None else np.uint64(0),
-            np.int64(R), np.int64(K), np.int64(ld), np.int64(lse.strides[0] // lse.itemsize),
+            np.int64(R), np.int64(K), np.int64(ld), np.int64(_stride(lse, 0, R)),
             np.int64(hkv), np.int64(ld_bias), *(np.int64(x) for x in bnd[:5]), bnd[5])
     _kernel(xp, "mpiattn_softmax_bwd", acc, op)((BH * R,), (_threads(K),), args)
     return None

@@ -245,7 +245,8 @@ class DeviceBackward:
         xp = backend.array_module(q)
         op = gemm.operand_dtype(xp, q.dtype)
         acc = np.dtype(acc)
-        rows = lambda x: _fold(x.astype(acc, copy=False)[..., None], hkv, acc)[..., 0]  # noqa: E731
+        rows = lambda x: xp.ascontiguousarray(  # noqa: E731 - unit stride along rows, for the kernel
+            _fold(x.astype(acc, copy=False)[..., None], hkv, acc)[..., 0])
         return cls(_fold(q, hkv, op), _fold(dout.astype(op, copy=False), hkv, op), rows(lse), rows(D),
                    float(scale), bool(fused_kernels), Workspace(xp))
 

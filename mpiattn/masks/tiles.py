@@ -53,7 +53,7 @@ def padding_bias(pad: Any, dtype: Any) -> Any:
     """
     xp = backend.array_module(pad)
     dt = np.dtype(dtype)
-    return xp.where(pad, dt.type(-np.inf), dt.type(0))[:, None, None, :]
+    return xp.ascontiguousarray(xp.where(pad, dt.type(-np.inf), dt.type(0)))[:, None, None, :]
 
 
 class _Side(NamedTuple):
