@@ -192,7 +192,7 @@ class Event:
 
 
 def _join(into: dict, other: dict) -> None:
-    for k, v in other.items():
+    for k, v in list(other.items()):
         if into.get(k, 0) < v:
             into[k] = v
 

@@ -420,12 +420,66 @@ def test_ring_attention_on_fake_device(fake_comm, fake, monkeypatch, transport):
         np.testing.assert_allclose(host(g), ref, rtol=1e-12, atol=1e-12)
 
 
-def test_edge_colours_separate_each_ranks_send_and_receive():
-    for P in range(1, 10):
-        colours = [transports.edge_colour(r, P) for r in range(P)]
-        assert max(colours) < transports.n_colours(P)
-        if P > 1:
-            assert all(colours[r] != colours[r - 1] for r in range(P))  # send edge vs receive edge
+@pytest.mark.mpi(min_size=2)
+def test_staged_send_is_posted_while_the_sender_computes(fake_comm, fake, monkeypatch):
+    """F4: the MPI send goes out once its copy finished, without another transport call.
+
+    Rank 0 sends, then blocks in a plain MPI receive (as if computing tiles) that rank 1 answers
+    only after its staged receive completed: with sends posted at the next transport call, rank
+    1 would wait forever (here: past a deadline)."""
+    import time
+
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged")
+    c = fake_comm
+    comm_device.prepare(c, fake.zeros(1))
+    t = c.device_transport
+    if c.rank == 0:
+        req = c.isend(fake.asarray(np.arange(1000.0)), 1, 5)
+        assert c.mpi.recv(source=1, tag=99) == "got it"
+        req.wait()
+    elif c.rank == 1:
+        buf = fake.zeros(1000)
+        req = c.irecv(buf, 0, 5)
+        deadline = time.monotonic() + 20
+        while not req.req.Test() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        arrived = req.req.Test()
+        c.mpi.send("got it", dest=0, tag=99)
+        req.wait()
+        assert arrived, "the staged send was not posted while the sender was busy"
+        np.testing.assert_array_equal(buf.get(), np.arange(1000.0))
+    assert t._thread is not None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("transport", ["cuda-aware", "nccl"])
+def test_ring_step_costs_at_most_one_host_wait(fake_comm, fake, monkeypatch, transport):
+    """F5/F6: the ring pipeline through CUDA-aware MPI waits for the GPU once per step (not per
+    message); through NCCL never on the host, in groups of one send and one receive."""
+    c = fake_comm
+    fake_cupy._state.bus_id = f"0000:{c.rank:02x}:00.0"
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", transport)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        comm_device.prepare(c, fake.zeros(1))
+    n, block = 40, 4
+    rows = split_sizes(n, c.size)[c.rank]
+    k, v = (fake.asarray(np.full((1, rows, 8), c.rank, np.float32)) for _ in range(2))
+    acc = fake.zeros((1, rows, 8), dtype=np.float32)
+    counters = fake_cupy.reset_counters()
+    steps = 0
+    for piece in circulate(c, [k, v], n, "contiguous", block, acc_out=[acc]):
+        piece.acc[0][...] += piece.data[0][..., :1]
+        steps += 1
+    waits = counters.waits
+    fake_cupy.reset_counters()
+    np.testing.assert_array_equal(host(acc)[..., 0], c.size * c.rank)  # every rank added our rows
+    if transport == "cuda-aware":
+        assert waits <= steps + 2, (waits, steps)
+    else:
+        assert waits == 0, counters.syncs  # NCCL requests are waited for on the GPU
+        t = c.device_transport
+        assert 0 < t.groups and not t.sends and not t.recvs
 
 
 def test_pinned_pool_waits_for_copies(fake):
