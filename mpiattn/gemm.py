@@ -133,9 +133,9 @@ def matmul(a: Any, b: Any, out: Any, *, alpha: float = 1.0, beta: float = 0.0,
 
 
 def _host(a: Any, b: Any, out: Any, alpha: float, beta: float) -> Any:
-    dt = out.dtype
+    dt = backend.accum_dtype(out.dtype) if out.dtype == np.float16 else np.dtype(out.dtype)
     a, b = a.astype(dt, copy=False), b.astype(dt, copy=False)
-    if beta == 0 and alpha == 1:
+    if beta == 0 and alpha == 1 and out.dtype == dt:
         np.matmul(a, b, out=out)
         return out
     prod = np.matmul(a, b)
@@ -145,8 +145,8 @@ def _host(a: Any, b: Any, out: Any, alpha: float, beta: float) -> Any:
         out[...] = prod
     else:
         if beta != 1:
-            out *= dt.type(beta)
-        out += prod
+            out *= out.dtype.type(beta)
+        out += prod.astype(out.dtype, copy=False)
     return out
 
 

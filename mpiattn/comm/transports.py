@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport", "make"]
+__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport"]
 
 #: Free pinned bytes kept for reuse (in-flight buffers are not counted).
 PINNED_KEEP_BYTES = 1 << 30
@@ -532,12 +532,3 @@ class StagedTransport:
             self._thread.join(10.0)
         self._return_lent()
 
-
-def make(name: str, comm: Any, cupy: Any) -> Any:
-    """The transport object called ``name`` for ``comm``."""
-    if name == "nccl":
-        from .nccl import NcclTransport
-
-        return NcclTransport(comm, cupy)
-    cls = {"cuda-aware": CudaAwareTransport, "staged": StagedTransport}[name]
-    return cls(comm, cupy)
