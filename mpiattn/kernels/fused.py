@@ -319,7 +319,8 @@ def softmax_bwd_(S: Any, dP: Any, P: Any, dS: Any, lse: Any, D: Any, bias: Any =
     if xp is np:
         return _generic_bwd(S, dP, P, dS, lse, D, bias, band, hkv)
     acc, op, ld = _check(S, P, (lse, D))
-    _check(dP, dS, (lse, D))
+    if _check(dP, dS, (lse, D))[2] != ld or dP.dtype != acc or dS.dtype != op:
+        raise ValueError("S, dP, P and dS must share one row stride (and S, dP one dtype)")
     BH, R, K = S.shape
     if BH * R == 0:
         return None
