@@ -21,8 +21,8 @@ The math is :mod:`mpiattn.kernels.native`'s (online softmax forward,
   (documents, a tile straddling a layout segment) upload a host mask.
 * **Launches per tile** (fully visible, no padding; padding adds none with
   fused kernels): forward 3 with the fused kernels (GEMM, one kernel, GEMM),
-  about 14 without; backward 6 with (two GEMMs, one kernel, three GEMMs),
-  about 14 without. See :mod:`mpiattn.kernels.fused`.
+  16 without; backward 6 with (two GEMMs, one kernel, three GEMMs),
+  14 without (counted on the fake CuPy). See :mod:`mpiattn.kernels.fused`.
 
 :func:`device_tile` sizes the tile from the device (SM count, clock,
 compute capability, free memory) so that one tile's two forward GEMMs carry
