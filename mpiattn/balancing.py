@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import backend
 from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
 from .masks.spec import check_window
 
@@ -68,7 +69,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens: Any, n: int | None = None) -> np.nda
         ``ids[i] = d`` for the document holding row ``i``; for ``(B, N)``
         ids stack one row per batch entry.
     """
-    cu = np.asarray(cu_seqlens)
+    cu = backend.to_host(cu_seqlens)  # a CuPy array is copied explicitly (np.asarray would raise)
     if cu.ndim != 1 or cu.size < 1 or (cu.size and cu.dtype.kind not in "iu"):
         raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., total], got {cu!r}")
     cu = cu.astype(np.int64)
@@ -85,7 +86,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens: Any, n: int | None = None) -> np.nda
 def _segments_2d(segment_ids: Any, n: int) -> np.ndarray | None:
     if segment_ids is None:
         return None
-    seg = np.asarray(segment_ids)
+    seg = backend.to_host(segment_ids)
     if seg.dtype.kind not in "iu":
         raise TypeError(f"segment_ids must hold integers (document ids), got dtype {seg.dtype}")
     if seg.ndim == 1:

@@ -19,7 +19,8 @@ communicator it was given.
 
 Host data reaches the device through :func:`upload` (pinned staging buffers
 on a copy stream, :class:`Uploader`); :func:`compute_stream` keeps compute
-off the legacy default stream.
+off the legacy default stream and orders itself with the stream current
+where its block starts and ends (:class:`ComputeStream`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "compute_stream",
     "upload",
     "BoundDevice",
+    "ComputeStream",
 ]
 
 
@@ -173,7 +175,7 @@ class BoundDevice:
     ----------
     id : int
         The CUDA device id.
-    stream : cupy.cuda.Stream or None
+    stream : ComputeStream or None
         Its compute stream (:func:`compute_stream`), made on first use.
     uploader : Uploader or None
         Its pinned host-to-device copier (:func:`upload`), made on first use.
@@ -194,11 +196,14 @@ def _bound(comm: Any) -> BoundDevice:
     return dev
 
 
-def compute_stream(comm: Any = None) -> Any:
-    """The non-blocking compute stream of the GPU bound for ``comm`` (made on first use; local).
+def compute_stream(comm: Any = None) -> "ComputeStream":
+    """The compute stream of the GPU bound for ``comm`` (made on first use; local).
 
     Use it as ``with gpu.compute_stream(): ...`` so that compute does not
     run on the legacy default stream (which would serialise with copies).
+    Work queued before the block (``cupy.asarray`` of the inputs, say) is
+    finished before the block's work starts, and work queued after it
+    (``out.get()``) sees the block's results: see :class:`ComputeStream`.
 
     Parameters
     ----------
@@ -207,15 +212,59 @@ def compute_stream(comm: Any = None) -> Any:
 
     Returns
     -------
-    cupy.cuda.Stream
+    ComputeStream
     """
     dev = _bound(comm)
     if dev.stream is None:
         import cupy
 
-        with cupy.cuda.Device(dev.id):
-            dev.stream = cupy.cuda.Stream(non_blocking=True)
+        dev.stream = ComputeStream(cupy, dev.id)
     return dev.stream
+
+
+class ComputeStream:
+    """A non-blocking stream that orders itself with the stream current around its block.
+
+    A ``non_blocking`` CUDA stream has no implicit order with the legacy
+    default stream, so on its own ``with stream:`` would let its kernels
+    read inputs whose copies (queued on the default stream before the
+    block) have not landed, and let ``.get()`` after the block copy results
+    not yet computed. Entering the block makes this stream wait (on the GPU,
+    through an event) for the work queued so far on the stream that was
+    current; leaving it makes that stream wait for the block's work. No
+    host synchronisation either way. Other attributes are the stream's
+    (``ptr``, ``synchronize()``, ``record()``, ...).
+
+    Parameters
+    ----------
+    cupy : module
+    device : int
+        The device the stream belongs to.
+    """
+
+    def __init__(self, cupy: Any, device: int):
+        self._cp = cupy
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._outer: list = []
+
+    def _event(self) -> Any:
+        return self._cp.cuda.Event(disable_timing=True)
+
+    def __enter__(self) -> Any:
+        outer = self._cp.cuda.get_current_stream()
+        self.stream.wait_event(outer.record(self._event()))
+        self._outer.append(outer)
+        self.stream.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stream.__exit__(*exc)
+        outer = self._outer.pop()
+        outer.wait_event(self.stream.record(self._event()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def upload(host: Any, comm: Any = None) -> Any:

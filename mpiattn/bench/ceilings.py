@@ -3,12 +3,15 @@
 Two ceilings, each run on every rank at once (so a 2-rank ceiling includes
 what two busy cores cost each other):
 
-* **square**: ``matmul`` of two ``S x S`` matrices (default 2048), the
-  machine's ceiling;
+* **square**: :func:`mpiattn.gemm.matmul` of two ``S x S`` matrices
+  (default 2048), the machine's ceiling: operands in the input dtype (on a
+  GPU float16 goes to the tensor cores, float32 accumulation), the same call
+  the kernels make;
 * **tile**: the GEMMs of the native engine's tile shapes and operand views
   (``block`` or :data:`mpiattn.kernels.DEFAULT_TILE` rows), e.g.
   ``(512x64)(64x512)`` and ``(512x512)(512x64)`` forward, plus the three
-  backward ones.
+  backward ones, through :func:`mpiattn.gemm.matmul` with the kernels'
+  operand dtypes (:func:`mpiattn.gemm.operand_dtype`).
 
 :func:`attach` measures both right after an attention case, in its process,
 so that a change of load on the machine cannot skew the fractions.
@@ -21,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import backend
+from .. import backend, gemm
 from ..kernels import DEFAULT_TILE
 from .tasks import Task, tile_key
 from ..timing import Timer
@@ -61,10 +64,11 @@ def gemm_square(timer: Timer, t: Task) -> list[dict]:
     c, xp = timer.comm, timer.xp
     size, dt = int(t.gemm_size), np.dtype(t.dtype)
     rng = np.random.default_rng([5, c.rank])
-    a = backend.to_device(rng.standard_normal((size, size)).astype(dt), xp)
-    b = backend.to_device(rng.standard_normal((size, size)).astype(dt), xp)
-    out = xp.empty((size, size), dtype=dt)
-    rate, times, rate_cpu = gemm_rate(timer, lambda: xp.matmul(a, b, out=out), 2.0 * size**3, t.repeat)
+    op = gemm.operand_dtype(xp, dt)
+    a = backend.to_device(rng.standard_normal((size, size)).astype(op), xp)
+    b = backend.to_device(rng.standard_normal((size, size)).astype(op), xp)
+    out = xp.empty((size, size), dtype=backend.accum_dtype(dt))
+    rate, times, rate_cpu = gemm_rate(timer, lambda: gemm.matmul(a, b, out), 2.0 * size**3, t.repeat)
     return [dict(t.to_dict(), P=c.size, status="ok", gflops_per_rank=rate, times_s=times,
                  gflops_per_rank_cpu=rate_cpu, shape=f"({size}x{size})({size}x{size})")]
 
@@ -81,27 +85,30 @@ def gemm_tile(timer: Timer, t: Task, P: int | None = None) -> list[dict]:
     R = Tq * G
     rng = np.random.default_rng([6, c.rank])
 
-    def arr(*shape: int) -> Any:
-        return backend.to_device(rng.standard_normal(shape).astype(acc), xp)
+    op = gemm.operand_dtype(xp, t.dtype)
 
-    qs, do = arr(B, Hkv, 4 * R, E), arr(B, Hkv, 4 * R, Ev)
-    kc, vc = arr(B, Hkv, Tk, E), arr(B, Hkv, Tk, Ev)
+    def arr(*shape: int, dtype: Any = acc) -> Any:
+        return backend.to_device(rng.standard_normal(shape).astype(dtype), xp)
+
+    qs, do = arr(B, Hkv, 4 * R, E, dtype=op), arr(B, Hkv, 4 * R, Ev, dtype=op)
+    kc, vc = arr(B, Hkv, Tk, E, dtype=op), arr(B, Hkv, Tk, Ev, dtype=op)
     S, dS = arr(B, Hkv, R, Tk), arr(B, Hkv, R, Tk)
+    P, dS_op = arr(B, Hkv, R, Tk, dtype=op), arr(B, Hkv, R, Tk, dtype=op)
     o_r, dq_r = arr(B, Hkv, R, Ev), arr(B, Hkv, R, E)
     dk_r, dv_r = arr(B, Hkv, Tk, E), arr(B, Hkv, Tk, Ev)
     q_t, do_t = qs[..., R:2 * R, :], do[..., R:2 * R, :]
     kT, vT = kc.swapaxes(-1, -2), vc.swapaxes(-1, -2)
 
     def fwd() -> None:
-        xp.matmul(q_t, kT, out=S)
-        xp.matmul(S, vc, out=o_r)
+        gemm.matmul(q_t, kT, S)
+        gemm.matmul(P, vc, o_r, beta=1.0)
 
     def bwd() -> None:
-        xp.matmul(q_t, kT, out=S)
-        xp.matmul(S.swapaxes(-1, -2), do_t, out=dv_r)
-        xp.matmul(do_t, vT, out=dS)
-        xp.matmul(dS, kc, out=dq_r)
-        xp.matmul(dS.swapaxes(-1, -2), q_t, out=dk_r)
+        gemm.matmul(q_t, kT, S)
+        gemm.matmul(do_t, vT, dS)
+        gemm.matmul(P.swapaxes(-1, -2), do_t, dv_r, beta=1.0)
+        gemm.matmul(dS_op, kc, dq_r, beta=1.0)
+        gemm.matmul(dS_op.swapaxes(-1, -2), q_t, dk_r, beta=1.0)
 
     pairs = B * Hkv * R * Tk
     f_fwd, f_bwd = 2.0 * pairs * (E + Ev), 2.0 * pairs * (3 * E + 2 * Ev)

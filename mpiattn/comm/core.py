@@ -266,10 +266,10 @@ class Comm:
             return arr
         return self._device().send_buf(arr)
 
-    def _recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
+    def _recv_buf(self, arr: Any, keep: bool = False) -> tuple[Any, Callable[[], None] | None]:
         if not backend.is_cupy_array(arr):
             return arr, None
-        return self._device().recv_buf(arr)
+        return self._device().recv_buf(arr, keep=keep)
 
     def isend(self, arr: Any, dest: int, tag: int) -> Request:
         """Non-blocking send of a contiguous array (as bytes)."""
@@ -382,9 +382,7 @@ class Comm:
         if self.size == 1 or x.size == 0:
             return x
         self._count({0: int(x.nbytes)} if self.rank else {d: int(x.nbytes) for d in range(self.size)})
-        buf, finish = self._recv_buf(x)
-        if buf is not x:
-            buf[...] = x.get()
+        buf, finish = self._recv_buf(x, keep=True)
         spec = [buf, self._typed(x.dtype)]
         self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else spec, spec if self.rank == 0 else None,
                         op=MPI.SUM, root=0)

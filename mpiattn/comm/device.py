@@ -39,7 +39,7 @@ from typing import Any
 
 from .core import Comm, get_comm
 from .. import backend
-from . import errors, transports
+from . import errors, nccl, transports
 
 __all__ = ["TRANSPORTS", "gather_evidence", "judge_evidence", "decide_transport",
            "describe_transport", "configure", "prepare"]
@@ -321,7 +321,9 @@ def configure(comm: Any = None, transport: str | None = None, requested: str | N
         name, reason = transport, "set by configure()"
     import cupy
 
-    obj = transports.make(name, c, cupy)
+    cls = {"cuda-aware": transports.CudaAwareTransport, "staged": transports.StagedTransport,
+           "nccl": nccl.NcclTransport}[name]
+    obj = cls(c, cupy)
     obj.reason = reason
     old = getattr(c, "device_transport", None)
     c.device_transport, c.transport = obj, name

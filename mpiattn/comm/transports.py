@@ -24,37 +24,37 @@ Stream contract (every transport)
 
 Transports
 ----------
-``cuda-aware``: synchronises the current stream, then hands the device
-buffer to MPI.
+``cuda-aware``: ``isend``/``irecv`` record an event on the current stream
+and queue the MPI operation; the first ``Test``/``Wait`` of any of its
+requests (or ``close``) waits for the newest queued event once and posts
+every queued operation in order. So a ring step (receives of the next piece,
+sends of this one) costs one host synchronisation, not one per message.
 
 ``staged``: device -> pinned host copies on a dedicated copy stream, ordered
 by events. ``isend`` returns at once: the device-to-host copy waits on the
-GPU for the producing stream, and the MPI send is posted (in order) by the
-next transport call that sees the copy finished. A receive lands in pinned
-memory, then a host-to-device copy runs on the copy stream and the consuming
-stream waits for it on the GPU. Copies thus overlap the compute queued in
-between. Pinned buffers are recycled (per size) once MPI and the copy
-engine are done with them.
+GPU for the producing stream. A progress thread (when MPI runs with
+``MPI_THREAD_MULTIPLE``) posts each MPI send as soon as its copy has
+finished, drives MPI's progress while the caller computes, and lands each
+received message: a host-to-device copy on the copy stream as soon as MPI
+has it; the consuming stream waits for that copy on the GPU. Without
+``MPI_THREAD_MULTIPLE`` the same work happens at the transport's calls.
+Collectives copy through pinned buffers on the copy stream too.
+Pinned buffers are recycled (per size) once MPI and the copy engine are
+done with them.
 
-``nccl``: ring neighbours only (anything else goes ``staged``). Each ring
-edge ``r -> r+1`` gets a NCCL communicator of its own colour (2 colours for
-even P, 3 for odd P) and each communicator its own stream, so the send to
-``r+1`` and the receive from ``r-1`` never queue behind each other on one
-stream: NCCL operations block their stream until the peer posts the
-matching one, and circulate's pipeline posts receives one piece ahead of
-the sends they depend on. Messages on an edge are matched in posting order
-(NCCL has no tags; circulate posts them in the same order on both ends).
+``nccl``: :mod:`mpiattn.comm.nccl`.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport", "NcclTransport", "make"]
+__all__ = ["PinnedPool", "CudaAwareTransport", "StagedTransport"]
 
 #: Free pinned bytes kept for reuse (in-flight buffers are not counted).
 PINNED_KEEP_BYTES = 1 << 30
@@ -167,9 +167,14 @@ class PinnedPool:
         self.kept = 0
         self.keep_bytes = keep_bytes
         self.allocated = 0  # buffers made so far (for tests and reports)
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 host array of ``nbytes`` that nothing else uses."""
+        """A uint8 host array of ``nbytes`` that nothing else uses (thread-safe)."""
+        with self._lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> np.ndarray:
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
         free = self._free.get(nbytes)
@@ -189,12 +194,13 @@ class PinnedPool:
         """Return ``buf``; ``after`` is an event that must complete before its reuse."""
         if buf.nbytes == 0:
             return
-        if self.kept + buf.nbytes > self.keep_bytes:
-            if after is not None:
-                after.synchronize()  # freed memory may be handed out again at once
-            return
-        self._free.setdefault(buf.nbytes, collections.deque()).append((buf, after))
-        self.kept += buf.nbytes
+        with self._lock:
+            if self.kept + buf.nbytes <= self.keep_bytes:
+                self._free.setdefault(buf.nbytes, collections.deque()).append((buf, after))
+                self.kept += buf.nbytes
+                return
+        if after is not None:
+            after.synchronize()  # freed memory may be handed out again at once
 
 
 def _copy_async(cp: Any, dst_ptr: int, src_ptr: int, nbytes: int, kind: int, stream: Any) -> None:
@@ -203,39 +209,83 @@ def _copy_async(cp: Any, dst_ptr: int, src_ptr: int, nbytes: int, kind: int, str
 
 
 # ------------------------------------------------------------------ cuda-aware
+class _Queued(_Request):
+    """A CUDA-aware MPI operation queued until its transport's next flush."""
+
+    __slots__ = ("t", "post", "mpi_req", "keep")
+
+    def __init__(self, t: "CudaAwareTransport", post: Callable[[], Any], keep: Any):
+        self.t, self.post, self.mpi_req, self.keep = t, post, None, keep
+
+    def Test(self) -> bool:  # noqa: N802
+        if self.keep is None:
+            return True
+        self.t.flush()
+        if self.mpi_req.Test():
+            self.keep = None
+            return True
+        return False
+
+    def Wait(self) -> None:  # noqa: N802
+        if self.keep is not None:
+            self.t.flush()
+            self.mpi_req.Wait()
+            self.keep = None
+
+
 class CudaAwareTransport:
-    """Device pointers straight to MPI, after synchronising the current stream."""
+    """Device pointers straight to MPI, one host synchronisation per batch of messages."""
 
     name = "cuda-aware"
 
     def __init__(self, comm: Any, cupy: Any):
         self.mpi, self._cp, self.reason = comm.mpi, cupy, ""
+        self._queued: list[_Queued] = []
+        self._events: dict[int, Any] = {}  # stream ptr -> newest event of the queued batch
 
-    def _settle(self) -> None:
-        # the producing kernels must be done before MPI reads, and earlier
-        # users of a receive buffer before MPI writes
-        self._cp.cuda.get_current_stream().synchronize()
+    def _queue(self, arr: Any, make: Callable[[], Any]) -> _Queued:
+        # the producing kernels must be done before MPI reads, and earlier users of a
+        # receive buffer before MPI writes: an event now, one wait at the flush
+        cur = self._cp.cuda.get_current_stream()
+        self._events[cur.ptr] = cur.record(self._cp.cuda.Event(disable_timing=True))
+        req = _Queued(self, make, arr)
+        self._queued.append(req)
+        return req
+
+    def flush(self) -> None:
+        """Wait for the queued batch's events (once per stream) and post its MPI operations."""
+        if not self._queued:
+            return
+        for ev in self._events.values():
+            if not ev.done:
+                ev.synchronize()
+        self._events.clear()
+        queued, self._queued = self._queued, []
+        for req in queued:
+            req.mpi_req = req.post()
 
     def isend(self, arr: Any, dest: int, tag: int) -> _Request:
         _check_contiguous(arr)
-        self._settle()
-        return _MpiRequest(self.mpi.Isend([arr, arr.nbytes, _byte_type()], dest=dest, tag=tag), arr)
+        return self._queue(arr, lambda: self.mpi.Isend([arr, arr.nbytes, _byte_type()], dest=dest, tag=tag))
 
     def irecv(self, arr: Any, source: int, tag: int) -> _Request:
         _check_contiguous(arr)
-        self._settle()
-        return _MpiRequest(self.mpi.Irecv([arr, arr.nbytes, _byte_type()], source=source, tag=tag), arr)
+        return self._queue(arr, lambda: self.mpi.Irecv([arr, arr.nbytes, _byte_type()], source=source, tag=tag))
+
+    def _settle(self) -> None:
+        self.flush()
+        self._cp.cuda.get_current_stream().synchronize()
 
     def send_buf(self, arr: Any) -> Any:
         self._settle()
         return arr
 
-    def recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
+    def recv_buf(self, arr: Any, keep: bool = False) -> tuple[Any, Callable[[], None] | None]:
         self._settle()
         return arr, None
 
     def close(self) -> None:
-        pass
+        self.flush()
 
 
 # ---------------------------------------------------------------------- staged
@@ -244,66 +294,62 @@ class _StagedSend(_Request):
 
     def __init__(self, t: "StagedTransport", host: np.ndarray, arr: Any, copied: Any, dest: int, tag: int):
         self.t, self.host, self.arr, self.copied = t, host, arr, copied
-        self.dest, self.tag, self.mpi_req, self.done = dest, tag, None, False
+        self.dest, self.tag, self.mpi_req = dest, tag, None
+        self.done = threading.Event()
 
     def post(self) -> None:
-        self.arr = None  # the device data is in self.host now
+        self.arr = None  # the copy engine is done with the device memory (the caller may free it)
         self.mpi_req = self.t.mpi.Isend([self.host, self.host.nbytes, _byte_type()], dest=self.dest, tag=self.tag)
 
-    def _complete(self) -> None:
+    def complete(self) -> None:
         self.t.pool.give(self.host)
-        self.host, self.done = None, True
+        self.host = None
+        self.done.set()
 
     def Test(self) -> bool:  # noqa: N802
-        if self.done:
+        if self.done.is_set():
             return True
         self.t.progress()
-        if self.mpi_req is not None and self.mpi_req.Test():
-            self._complete()
-            return True
-        return False
+        return self.done.is_set()
 
     def Wait(self) -> None:  # noqa: N802
-        if self.done:
-            return
-        if self.mpi_req is None:
-            self.copied.synchronize()  # GPU work never waits for MPI, so this ends
-            self.t.progress()  # copies finish in order: this posts every send up to this one
-        self.t.until(self.mpi_req)
-        self._complete()
+        self.t.until(self)
 
 
 class _StagedRecv(_Request):
-    __slots__ = ("t", "host", "arr", "free_after", "mpi_req", "done")
+    __slots__ = ("t", "host", "arr", "free_after", "mpi_req", "landed", "done")
 
     def __init__(self, t: "StagedTransport", host: np.ndarray, arr: Any, free_after: Any, mpi_req: Any):
         self.t, self.host, self.arr, self.free_after, self.mpi_req = t, host, arr, free_after, mpi_req
-        self.done = False
+        self.landed = None
+        self.done = threading.Event()
 
-    def _finish(self) -> None:
+    def complete(self) -> None:
+        """MPI has the data: copy it to the device on the copy stream (no host wait)."""
         t, cp = self.t, self.t._cp
-        t.copy.wait_event(self.free_after)
-        _copy_async(cp, self.arr.data.ptr, self.host.ctypes.data, self.host.nbytes,
-                    cp.cuda.runtime.memcpyHostToDevice, t.copy)
-        landed = t.copy.record(cp.cuda.Event(disable_timing=True))
-        cp.cuda.get_current_stream().wait_event(landed)
-        t.pool.give(self.host, after=landed)
+        with t.copy_lock:
+            t.copy.wait_event(self.free_after)
+            _copy_async(cp, self.arr.data.ptr, self.host.ctypes.data, self.host.nbytes,
+                        cp.cuda.runtime.memcpyHostToDevice, t.copy)
+            self.landed = t.copy.record(cp.cuda.Event(disable_timing=True))
+        t.pool.give(self.host, after=self.landed)
         self.host = self.arr = self.free_after = None
-        self.done = True
+        self.done.set()
+
+    def _use(self) -> None:
+        self.t._cp.cuda.get_current_stream().wait_event(self.landed)
 
     def Test(self) -> bool:  # noqa: N802
-        if self.done:
-            return True
-        self.t.progress()
-        if self.mpi_req.Test():
-            self._finish()
-            return True
-        return False
+        if not self.done.is_set():
+            self.t.progress()
+            if not self.done.is_set():
+                return False
+        self._use()
+        return True
 
     def Wait(self) -> None:  # noqa: N802
-        if not self.done:
-            self.t.until(self.mpi_req)
-            self._finish()
+        self.t.until(self)
+        self._use()
 
 
 class StagedTransport:
@@ -313,172 +359,176 @@ class StagedTransport:
     ----------
     comm : mpiattn.comm.Comm
     cupy : module
+    threaded : bool, optional
+        Run the progress thread (default: when MPI provides ``MPI_THREAD_MULTIPLE``).
     """
 
     name = "staged"
 
-    def __init__(self, comm: Any, cupy: Any):
+    def __init__(self, comm: Any, cupy: Any, threaded: bool | None = None):
+        from mpi4py import MPI
+
         self.mpi, self._cp, self.reason = comm.mpi, cupy, ""
         self.copy = cupy.cuda.Stream(non_blocking=True)
+        self.copy_lock = threading.Lock()
         self.pool = PinnedPool(cupy)
-        self.deferred: collections.deque[_StagedSend] = collections.deque()
+        self._lock = threading.Lock()
+        self._waiting: collections.deque = collections.deque()  # sends whose copy may not be done
+        self._active: list = []                                 # posted MPI requests
+        self._lent: list = []                                   # pinned buffers of the last collective
+        if threaded is None:
+            threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._device = cupy.cuda.Device().id
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="mpiattn-staged-progress", daemon=True)
+            self._thread.start()
 
     def _event(self) -> Any:
         return self._cp.cuda.Event(disable_timing=True)
 
-    def progress(self) -> None:
-        """Post, in order, the sends whose device-to-host copy has finished."""
-        while self.deferred and self.deferred[0].copied.done:
-            self.deferred.popleft().post()
+    # ------------------------------------------------------------ progress
+    def progress(self) -> bool:
+        """Post the sends whose copy finished, test the posted requests; True if anything moved.
 
-    def until(self, mpi_req: Any) -> None:
-        """Complete ``mpi_req``, posting our deferred sends meanwhile.
-
-        While a send of ours still waits for its copy, blocking inside MPI
-        could leave a peer waiting for that send forever: poll instead.
+        Called by the progress thread, or (without one) at every transport call.
         """
-        pause = 1e-6
-        while self.deferred:
-            self.progress()
-            if mpi_req.Test():
-                return
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        mpi_req.Wait()
+        moved = False
+        with self._lock:
+            while self._waiting and self._waiting[0].copied.done:
+                req = self._waiting.popleft()
+                req.post()
+                self._active.append(req)
+                moved = True
+            still = []
+            for req in self._active:
+                if req.mpi_req.Test():
+                    req.complete()
+                    moved = True
+                else:
+                    still.append(req)
+            self._active = still
+        return moved
 
+    def _run(self) -> None:
+        with self._cp.cuda.Device(self._device):
+            pause = 2e-6
+            while not self._stop.is_set():
+                if self.progress():
+                    pause = 2e-6
+                    continue
+                with self._lock:
+                    idle = not self._waiting and not self._active
+                if idle:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                time.sleep(pause)  # lets the caller's thread run; MPI is polled, not waited on
+                pause = min(2 * pause, 2e-4)
+
+    def until(self, req: Any) -> None:
+        """Return once ``req`` completed (the progress thread completes it, or this loop)."""
+        if self._thread is not None:
+            self._wake.set()
+            if not req.done.wait(3600.0):
+                raise RuntimeError("staged transport: a message never completed")
+            return
+        pause = 1e-6
+        while not req.done.is_set():
+            if not self.progress():
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-4)
+
+    # ------------------------------------------------------------ messages
     def isend(self, arr: Any, dest: int, tag: int) -> _Request:
         _check_contiguous(arr)
         cp = self._cp
         host = self.pool.take(arr.nbytes)
         ready = cp.cuda.get_current_stream().record(self._event())
-        self.copy.wait_event(ready)
-        _copy_async(cp, host.ctypes.data, arr.data.ptr, arr.nbytes, cp.cuda.runtime.memcpyDeviceToHost, self.copy)
-        req = _StagedSend(self, host, arr, self.copy.record(self._event()), dest, tag)
-        self.deferred.append(req)  # even empty messages keep their place in the order
-        self.progress()
+        with self.copy_lock:
+            self.copy.wait_event(ready)
+            _copy_async(cp, host.ctypes.data, arr.data.ptr, arr.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                        self.copy)
+            copied = self.copy.record(self._event())
+        req = _StagedSend(self, host, arr, copied, dest, tag)
+        with self._lock:
+            self._waiting.append(req)  # even empty messages keep their place in the order
+        self._wake.set()
+        if self._thread is None:
+            self.progress()
         return req
 
     def irecv(self, arr: Any, source: int, tag: int) -> _Request:
         _check_contiguous(arr)
         host = self.pool.take(arr.nbytes)
         free_after = self._cp.cuda.get_current_stream().record(self._event())
-        mpi_req = self.mpi.Irecv([host, host.nbytes, _byte_type()], source=source, tag=tag)
-        self.progress()
-        return _StagedRecv(self, host, arr, free_after, mpi_req)
+        with self._lock:
+            mpi_req = self.mpi.Irecv([host, host.nbytes, _byte_type()], source=source, tag=tag)
+            req = _StagedRecv(self, host, arr, free_after, mpi_req)
+            self._active.append(req)
+        self._wake.set()
+        if self._thread is None:
+            self.progress()
+        return req
 
-    def send_buf(self, arr: Any) -> Any:
-        return arr.get()  # ordered after the current stream; pageable, as collectives are blocking
+    # ------------------------------------------------------------ collectives
+    def _return_lent(self) -> None:
+        lent, self._lent = self._lent, []
+        for buf in lent:
+            self.pool.give(buf)
 
-    def recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
-        host = np.empty(arr.shape, dtype=arr.dtype)
-        return host, (lambda: arr.set(host))
-
-    def close(self) -> None:
-        for req in list(self.deferred):
-            req.Wait()
-
-
-# ------------------------------------------------------------------------ nccl
-def edge_colour(src: int, size: int) -> int:
-    """Colour of the ring edge ``src -> (src+1) % size``: a rank's two edges never share one.
-
-    Two colours alternate round an even ring; an odd ring gives its last
-    edge a third colour. One rank: colour 0.
-    """
-    if size == 1:
-        return 0
-    if size % 2 == 1 and src == size - 1:
-        return 2
-    return src % 2
-
-
-def n_colours(size: int) -> int:
-    """Number of NCCL communicators the ring needs: 1, 2 (even P) or 3 (odd P)."""
-    return 1 if size == 1 else (2 if size % 2 == 0 else 3)
-
-
-class NcclTransport:
-    """Ring shifts over NCCL, one communicator and stream per edge colour.
-
-    Bootstrapped over MPI: for each colour rank 0's ``ncclGetUniqueId`` is
-    broadcast and every rank joins (``ncclCommInitRank``, blocking and
-    collective; a rank failing there aborts the job instead of leaving the
-    others waiting). Collectives and messages to non-neighbours go through a
-    :class:`StagedTransport`.
-    """
-
-    name = "nccl"
-
-    def __init__(self, comm: Any, cupy: Any):
-        from cupy.cuda import nccl
-
-        self._cp, self._nccl, self.reason = cupy, nccl, ""
-        self.rank, self.size = comm.rank, comm.size
-        self.staged = StagedTransport(comm, cupy)
-        self.comms: list[Any] = []
-        self.streams: list[Any] = []
-        for _ in range(n_colours(self.size)):
-            uid = comm.allgather_checked(lambda: nccl.get_unique_id() if comm.rank == 0 else None)[0]
-            with comm.abort_on_error():
-                self.comms.append(nccl.NcclCommunicator(self.size, uid, self.rank))
-            self.streams.append(cupy.cuda.Stream(non_blocking=True))
-
-    def _colour(self, src: int, dst: int) -> int | None:
-        return edge_colour(src, self.size) if dst == (src + 1) % self.size else None
-
-    def _launch(self, op: str, arr: Any, peer: int, colour: int) -> _Request:
-        _check_contiguous(arr)
-        if arr.nbytes == 0:  # both ends skip, as sizes match
-            return _Done()
+    def _to_host(self, arr: Any) -> np.ndarray:
+        """``arr`` in a pinned buffer (a stream-ordered copy; the host waits for it)."""
         cp = self._cp
-        stream = self.streams[colour]
-        stream.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
-        getattr(self.comms[colour], op)(arr.data.ptr, arr.nbytes, self._nccl.NCCL_UINT8, peer, stream.ptr)
-        return _EventRequest(stream.record(cp.cuda.Event(disable_timing=True)), arr)
-
-    def isend(self, arr: Any, dest: int, tag: int) -> _Request:
-        colour = self._colour(self.rank, dest)
-        if colour is None:
-            return self.staged.isend(arr, dest, tag)
-        return self._launch("send", arr, dest, colour)
-
-    def irecv(self, arr: Any, source: int, tag: int) -> _Request:
-        colour = self._colour(source, self.rank)
-        if colour is None:
-            return self.staged.irecv(arr, source, tag)
-        return self._launch("recv", arr, source, colour)
-
-    def loopback(self, src: Any, dst: Any) -> None:
-        """Send ``src`` to this rank and receive it into ``dst`` in one NCCL group (a self-test)."""
-        _check_contiguous(src)
-        _check_contiguous(dst)
-        if src.nbytes != dst.nbytes:
-            raise ValueError("loopback needs buffers of equal size")
-        cp, nccl = self._cp, self._nccl
-        stream = self.streams[0]
-        stream.wait_event(cp.cuda.get_current_stream().record(cp.cuda.Event(disable_timing=True)))
-        nccl.groupStart()
-        self.comms[0].send(src.data.ptr, src.nbytes, nccl.NCCL_UINT8, self.rank, stream.ptr)
-        self.comms[0].recv(dst.data.ptr, dst.nbytes, nccl.NCCL_UINT8, self.rank, stream.ptr)
-        nccl.groupEnd()
-        cp.cuda.get_current_stream().wait_event(stream.record(cp.cuda.Event(disable_timing=True)))
+        arr = cp.ascontiguousarray(arr)
+        host = self.pool.take(arr.nbytes)
+        with self.copy_lock:
+            self.copy.wait_event(cp.cuda.get_current_stream().record(self._event()))
+            _copy_async(cp, host.ctypes.data, arr.data.ptr, arr.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                        self.copy)
+            done = self.copy.record(self._event())
+        done.synchronize()  # the collective reads it now
+        self._lent.append(host)
+        return host.view(arr.dtype).reshape(arr.shape)
 
     def send_buf(self, arr: Any) -> Any:
-        return self.staged.send_buf(arr)
+        """A pinned host copy of ``arr`` for a blocking collective."""
+        self._return_lent()
+        return self._to_host(arr)
 
-    def recv_buf(self, arr: Any) -> tuple[Any, Callable[[], None] | None]:
-        return self.staged.recv_buf(arr)
+    def recv_buf(self, arr: Any, keep: bool = False) -> tuple[Any, Callable[[], None] | None]:
+        """A pinned buffer for a collective's result (holding ``arr``'s data when ``keep``) and
+        the ``finish()`` that copies it into ``arr`` on the copy stream (the current stream waits)."""
+        cp = self._cp
+        if keep:
+            host = self._to_host(arr)
+            raw = self._lent.pop()
+        else:
+            raw = self.pool.take(arr.nbytes)
+            host = raw.view(arr.dtype).reshape(arr.shape)
+        free_after = cp.cuda.get_current_stream().record(self._event())
+
+        def finish() -> None:
+            with self.copy_lock:
+                self.copy.wait_event(free_after)
+                _copy_async(cp, arr.data.ptr, raw.ctypes.data, raw.nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                            self.copy)
+                landed = self.copy.record(self._event())
+            cp.cuda.get_current_stream().wait_event(landed)
+            self.pool.give(raw, after=landed)
+
+        return host, finish
 
     def close(self) -> None:
-        self.staged.close()
-        for s in self.streams:
-            s.synchronize()
-        for c in self.comms:
-            c.destroy()
-        self.comms = []
+        with self._lock:
+            pending = list(self._waiting) + [r for r in self._active if isinstance(r, _StagedSend)]
+        for req in pending:
+            req.Wait()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        self._return_lent()
 
-
-def make(name: str, comm: Any, cupy: Any) -> Any:
-    """The transport object called ``name`` for ``comm``."""
-    cls = {"cuda-aware": CudaAwareTransport, "staged": StagedTransport, "nccl": NcclTransport}[name]
-    return cls(comm, cupy)

@@ -9,7 +9,7 @@ objects carry a call, made by keyword:
     :class:`~mpiattn.masks.BlockMask`); ``f.result()`` returns ``out (B, H,
     n, Ev)`` and ``lse (B, H, n)`` in the accumulation dtype (rows that saw
     no key: ``out = 0``, ``lse = -inf``).
-``engine.backward(q=, dout=, out=, lse=, D=, hkv=, scale=, acc_dtype=, tile=)`` -> ``b``
+``engine.backward(q=, dout=, out=, lse=, D=, hkv=, scale=, acc_dtype=, tile=, fused=)`` -> ``b``
     ``b.add(k, v, mask, dk, dv)`` adds the block's gradients into ``dk``,
     ``dv`` (``(B, Hkv, k, E/Ev)``, accumulation dtype) and keeps ``dq``;
     ``b.result()`` returns ``dq (B, H, n, E)``. The global ``lse`` and
@@ -105,12 +105,19 @@ class Engine:
         """Rows per exchanged key/value block when the caller gave none (``max_rows``: the longest shard)."""
         raise NotImplementedError
 
+    def tile_rows(self, spec: Any) -> int | None:
+        """This rank's preferred score tile for ``spec``, from its device (local), or None.
+
+        The ranks' answers are gathered and the smallest becomes ``spec.tile``.
+        """
+        return None
+
     def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
                 finite: bool = False, fused: bool = False) -> Forward:
         """Start a forward pass for queries ``q (B, H, n, E)``."""
         raise NotImplementedError
 
     def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int) -> Backward:
+                 acc_dtype: Any, tile: int, fused: bool = False) -> Backward:
         """Start a backward pass (``lse``, ``D``: ``(B, H, n)``, global)."""
         raise NotImplementedError

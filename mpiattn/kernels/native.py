@@ -44,10 +44,11 @@ Backward, recomputing ``P`` from ``lse``::
 is multiplied by ``s`` once at the end; ``- lse`` and ``- D`` are folded into
 their GEMMs by an extra column, as in the forward pass.)
 
-On CuPy with ``fused`` (``MPIATTN_FUSED_KERNELS=1``, read once per call) the
-forward elementwise steps of a tile run as fused kernels from
-:mod:`mpiattn.kernels.fused` (exact running maximum, fewer passes):
-:func:`_tile_fused` instead of :func:`_tile_generic`.
+This module's tile loops are the host's (NumPy): the lazy rescale and the
+shift columns save passes over the tile on a CPU, where a data-dependent
+branch costs nothing. CuPy arrays run :mod:`mpiattn.kernels.native_cuda`
+instead (the same math with an exact running maximum, float16 GEMM operands
+and no host synchronisation).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import backend
-from . import fused
 from ..masks import BlockMask
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
@@ -88,6 +88,8 @@ def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any, pad: int = 0
     """
     xp = backend.array_module(q)
     B, H, n, F = q.shape
+    if H == hkv and not pad and scale is None and q.dtype == dtype:
+        return q  # nothing to fold, scale or cast: the caller's array (read only)
     G = H // hkv
     out = xp.empty((B, hkv, n, G, F + pad), dtype=dtype)
     body = out[..., :F] if pad else out
@@ -238,7 +240,7 @@ def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None
 
 
 def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
-                  tile: int = DEFAULT_TILE, fused_kernels: bool = False) -> None:
+                  tile: int = DEFAULT_TILE) -> None:
     """Fold one block of keys/values into the running state (in place).
 
     Parameters
@@ -255,8 +257,6 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
         skipped.
     tile : int
         Edge of the score tile: at most ``tile*G x tile`` scores per (B, Hkv) at once.
-    fused_kernels : bool
-        On CuPy, the fused kernels of :mod:`mpiattn.kernels.fused` (NumPy: ignored).
 
     Notes
     -----
@@ -267,7 +267,6 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     ws, dt = st.ws, st.qa.dtype
     lead = st.qa.shape[:2]
     n, nk = mask.q_pos.size, mask.k_pos.size
-    tile_step = _tile_fused if fused_kernels and xp is not np else _tile_generic
     for j0 in _tiles(nk, tile):
         j1 = min(j0 + tile, nk)
         tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
@@ -277,7 +276,7 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
         vc = ws.with_ones("vc", v, j0, j1, dt)
         for i0, i1, r0, r1, vis in tiles:
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
-            tile_step(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
+            _tile_generic(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
 
 
 def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
@@ -316,20 +315,6 @@ def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: 
     xp.matmul(S, vc, out=pv)
     st.l[..., r0:r1] += pv[..., Ev]
     st.o[..., r0:r1, :] += pv[..., :Ev]
-
-
-def _tile_fused(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
-                bias: Any) -> None:
-    """One score tile with the fused CuPy kernels (exact running maximum)."""
-    ws, dt = st.ws, st.qa.dtype
-    E = st.qa.shape[-1] - 1
-    st.qa[..., r0:r1, E] = 0
-    S = xp.matmul(st.qa[..., r0:r1, :], kt, out=ws.get("S", rows + (kt.shape[-1],), dt))
-    if bias is not None:
-        S += bias
-    alpha = fused.softmax_step_(S, st.m[..., r0:r1], st.l[..., r0:r1])
-    pv = xp.matmul(S, vc, out=ws.get("pv", rows + (vc.shape[-1],), dt))
-    fused.rescale_add_(st.o[..., r0:r1, :], alpha, pv[..., :-1])
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:

@@ -20,7 +20,8 @@ with the global ``out`` and ``lse`` (exact per block, FlashAttention-2).
 Supported: NumPy (torch CPU) float32, float64, float16; CuPy (torch CUDA)
 float16, float32 with head dims that are multiples of 8 (not yet run on a
 GPU); masks: causal and key padding (windows and documents go to
-``native``). Tested with torch 2.13.
+``native``). Tested on the CPU with torch 2.13 and 2.11 (the GPU machine's);
+support is decided by the ops' schemas (:mod:`mpiattn.kernels.torch_ops`).
 """
 
 from __future__ import annotations
@@ -83,11 +84,12 @@ class _TorchForward:
     def add(self, k: Any, v: Any, mask: BlockMask) -> None:
         if not self.finite:
             self._mark_nonfinite_keys(k, mask)
-        for i0, i1, j0, j1, aligned in _calls(mask):
-            o_c, lse_c = torch_ops.block_forward(
-                self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], scale=self.scale,
-                mask=_padding(mask, j0, j1), causal_aligned=aligned)
-            torch_ops.merge(self.out[:, :, i0:i1], self.lse[:, :, i0:i1], o_c, lse_c)
+        with torch_ops.one_pool(backend.array_module(k)):
+            for i0, i1, j0, j1, aligned in _calls(mask):
+                o_c, lse_c = torch_ops.block_forward(
+                    self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], scale=self.scale,
+                    mask=_padding(mask, j0, j1), causal_aligned=aligned)
+                torch_ops.merge(self.out[:, :, i0:i1], self.lse[:, :, i0:i1], o_c, lse_c)
 
     def _mark_nonfinite_keys(self, k: Any, mask: BlockMask) -> None:
         """Remember the rows that see a non-finite key: torch's kernel gives a row whose only key
@@ -115,9 +117,9 @@ class _TorchForward:
         bad = ~xp.isfinite(self.q).all(axis=-1)  # torch's CPU kernel gives a NaN query row out 0
         if self.bad_rows is not None:
             bad |= backend.to_device(self.bad_rows, xp)
-        if bool(bad.any()):
-            self.out[bad] = np.nan
-            self.lse[bad] = np.nan
+        if bool(bad.any()):  # once per call; a select, not boolean indexing
+            self.out = xp.where(bad[..., None], self.out.dtype.type(np.nan), self.out)
+            self.lse = xp.where(bad, self.lse.dtype.type(np.nan), self.lse)
         return self.out, self.lse
 
 
@@ -130,6 +132,10 @@ class _TorchBackward:
         self.dq = xp.zeros(q.shape, dtype=acc_dtype)
 
     def add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any) -> None:
+        with torch_ops.one_pool(backend.array_module(k)):
+            self._add(k, v, mask, dk, dv)
+
+    def _add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any) -> None:
         for i0, i1, j0, j1, aligned in _calls(mask):
             dq_c, dk_c, dv_c = torch_ops.block_backward(
                 self.dout[:, :, i0:i1], self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1],
@@ -177,6 +183,6 @@ class TorchEngine(Engine):
         return _TorchForward(q, scale, acc_dtype, ev, finite)
 
     def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int) -> _TorchBackward:
+                 acc_dtype: Any, tile: int, fused: bool = False) -> _TorchBackward:
         """Start a backward pass with the global ``out`` and ``lse`` (torch forms ``D`` itself)."""
         return _TorchBackward(q, dout, out, lse, scale, acc_dtype)

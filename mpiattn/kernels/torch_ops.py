@@ -44,8 +44,12 @@ Findings, torch 2.13.0+cpu (see :data:`TESTED_TORCH` for the versions tested)
 
 CUDA (written, not tested here): float16/bfloat16 without mask (and causal only when
 n == m: flash's causal is bottom-right aligned) use ``_scaled_dot_product_flash_attention``;
-otherwise ``_scaled_dot_product_efficient_attention`` (float16/bfloat16/float32, additive
-bias padded to 16 columns, causal top-left, lse padded to 32 rows). float64: not supported.
+otherwise ``_scaled_dot_product_efficient_attention`` (float16/bfloat16/float32, causal
+top-left, lse padded to 32 rows). Key padding goes in as a compact ``(B, m)`` additive bias
+(padded to 16 columns) expanded over heads and queries with stride 0: never a dense
+``(B, H, n, m)`` bias, and no boolean-mask indexing (CuPy counts its True entries in a C
+``int``). float64: not supported. :func:`one_pool` makes CuPy allocate from torch's caching
+allocator while the engine runs, so freed blocks are held by one pool, not two.
 """
 from __future__ import annotations
 
@@ -56,8 +60,10 @@ import numpy as np
 
 from .. import backend
 
-#: The torch versions the engine was tested with (informative: the schemas decide).
-TESTED_TORCH = ("2.13",)
+#: The torch versions the engine was tested with (informative: the schemas decide). 2.13.0+cpu:
+#: the contract suite; 2.11.0+cu130 (the GPU machine's version, on a CPU): the six schemas match
+#: and the contract suite's torch cases pass.
+TESTED_TORCH = ("2.13", "2.11")
 _CPU_F = "_scaled_dot_product_flash_attention_for_cpu"
 _SCHEMAS = {
     _CPU_F: "(Tensor query, Tensor key, Tensor value, float dropout_p=0., bool is_causal=False,"
@@ -126,10 +132,14 @@ def _mask(mask: Any, causal: bool, shape: tuple[int, int, int, int], xp: Any = n
 
 
 def _additive(mask: Any, dtype: Any, xp: Any = np, pad_to: int = 1) -> Any:
-    """0 / -inf mask in ``dtype``; last axis allocated padded to a multiple of ``pad_to``."""
+    """0 / -inf mask in ``dtype``; last axis allocated padded to a multiple of ``pad_to``.
+
+    An elementwise select, never boolean indexing (whose count CuPy keeps in a C int).
+    """
     m = mask.shape[-1]
-    out = xp.full(mask.shape[:-1] + (-(-m // pad_to) * pad_to,), -np.inf, dtype=dtype)[..., :m]
-    out[mask] = 0
+    dt = np.dtype(dtype)
+    out = xp.full(mask.shape[:-1] + (-(-m // pad_to) * pad_to,), -np.inf, dtype=dt)[..., :m]
+    out[...] = xp.where(mask, dt.type(0), dt.type(-np.inf))
     return out
 
 
@@ -280,6 +290,29 @@ def merge(out: Any, lse: Any, out_c: Any, lse_c: Any) -> None:
 
 
 # ---------------------------------------------------------------- CUDA (CuPy, DLPack)
+def one_pool(xp: Any) -> Any:
+    """A context in which CuPy allocates from torch's caching allocator (CUDA), so one pool
+    holds the memory of a torch-engine call instead of two (a no-op on NumPy).
+
+    ``cupy.cuda.using_allocator`` is scoped to the block and to this thread: no process-wide
+    hook is replaced.
+    """
+    import contextlib
+
+    if xp is np:
+        return contextlib.nullcontext()
+    import cupy
+
+    torch = _torch()
+
+    def alloc(size: int) -> Any:
+        t = torch.empty(max(int(size), 1), dtype=torch.uint8, device=f"cuda:{cupy.cuda.Device().id}")
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel(), t)  # keeps the tensor alive
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+    return cupy.cuda.using_allocator(alloc)
+
+
 def _cuda_call(fn: Any, *arrays: Any) -> list[Any]:
     """Run ``fn(torch, *tensors)`` on CuPy's current stream; results back as CuPy arrays."""
     import cupy
@@ -294,8 +327,10 @@ def _cuda_call(fn: Any, *arrays: Any) -> list[Any]:
 
 
 def _cuda_plan(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
-    """Shapes, use-flash flag, causal flag for the op, and the additive bias: full
-    (B, H, n, m) in q's dtype, rows padded to 16 columns (mem-efficient alignment), or None."""
+    """Shapes, use-flash flag, causal flag for the op, and the padding as a compact additive bias
+    ``(B, m)`` in q's dtype (rows padded to 16 columns, the mem-efficient kernel's alignment),
+    or None. ``mask`` is the key padding as ``(B, 1, 1, m)`` bool (True = visible): the bias is
+    expanded over heads and queries with stride 0, never made dense."""
     import cupy
 
     B, H, Hkv, n, m, E, Ev = dims = _check_shapes(q, k, v)
@@ -305,8 +340,10 @@ def _cuda_plan(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
     flash = q.dtype != np.float32 and mask is None and (not causal or n == m) and E == Ev <= 256
     if mask is None:
         return dims, flash, causal, None  # flash causal is bottom-right: only n == m above
-    bm = cupy.broadcast_to(_mask(mask, causal, (B, H, n, m), cupy), (B, H, n, m))
-    return dims, False, False, _additive(bm, q.dtype, cupy, pad_to=16)
+    if mask.ndim != 4 or mask.shape[1:3] != (1, 1):
+        raise ValueError(f"the CUDA torch path takes key padding (B, 1, 1, m), got {mask.shape}")
+    keys = cupy.broadcast_to(mask[:, 0, 0, :], (B, m))
+    return dims, False, causal, _additive(keys, q.dtype, cupy, pad_to=16)
 
 
 def _fold(t: Any, g: int) -> Any:
@@ -324,14 +361,46 @@ def _cuda_forward(q: Any, k: Any, v: Any, scale: float, mask: Any, causal: bool)
         if flash:  # GQA native (FA2 mha_fwd); lse (B, H, n) float32
             r = _op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
             return r[0], r[1]
-        r = _op("_scaled_dot_product_efficient_attention")(
-            q.reshape(B * Hkv, g, n, E), _fold(k, g), _fold(v, g),
-            None if bias is None else bias.view(B * Hkv, g, n, m), True, 0.0, causal, scale=scale)
-        o, lse = r[0].reshape(B, H, n, Ev), r[1][..., :n].reshape(B, H, n)  # lse padded to 32
-        vis = torch.isfinite(lse) if bias is None else (bias > -np.inf).any(-1)
+        outs, lses = [], []
+        for b0, b1 in _batches(B, Hkv, bias):
+            bb = b1 - b0
+            r = _op("_scaled_dot_product_efficient_attention")(
+                q[b0:b1].reshape(bb * Hkv, g, n, E), _fold(k[b0:b1], g), _fold(v[b0:b1], g),
+                _bias_view(bias, b0, b1, Hkv, g, n), True, 0.0, causal, scale=scale)
+            outs.append(r[0].reshape(bb, H, n, Ev))
+            lses.append(r[1][..., :n].reshape(bb, H, n))  # lse padded to 32
+        o, lse = ((x[0] if len(x) == 1 else torch.cat(x)) for x in (outs, lses))
+        vis = torch.isfinite(lse) if bias is None else _visible_rows(torch, bias, n, causal)
         return torch.where(vis[..., None], o, 0), torch.where(vis, lse, -np.inf)
 
     return tuple(_cuda_call(run, q, k, v, bias))
+
+
+def _batches(B: int, Hkv: int, bias: Any) -> list[tuple[int, int]]:
+    """Batch ranges per kernel call: all at once, or one entry at a time when a padding bias
+    must be expanded over (Hkv, G) heads folded into one axis (no single stride does that)."""
+    return [(0, B)] if bias is None or Hkv == 1 or B == 1 else [(b, b + 1) for b in range(B)]
+
+
+def _bias_view(bias: Any, b0: int, b1: int, hkv: int, g: int, n: int) -> Any:
+    """The compact ``(B, m)`` bias of entries ``b0:b1`` as ``((b1-b0)*hkv, g, n, m)``, stride 0
+    over heads and queries (a view: nothing dense is made)."""
+    if bias is None:
+        return None
+    part = bias[b0:b1]
+    bb, m = part.shape
+    if bb == 1:
+        return part.reshape(1, 1, 1, m).expand(hkv, g, n, m)
+    return part.reshape(bb, 1, 1, m).expand(bb, g, n, m)  # hkv == 1 here
+
+
+def _visible_rows(torch: Any, bias: Any, n: int, causal: bool) -> Any:
+    """``(B, 1, n)`` bool: the query rows that see some key under the padding (and causal)."""
+    keys = bias > -np.inf                                           # (B, m)
+    if not causal:
+        return keys.any(-1)[:, None, None].expand(-1, 1, n)
+    first = torch.where(keys.any(-1), keys.int().argmax(-1), keys.shape[-1])  # first visible key
+    return (torch.arange(n, device=bias.device)[None, :] >= first[:, None])[:, None, :]
 
 
 def _cuda_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float,
@@ -352,12 +421,18 @@ def _cuda_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale:
         lp = torch.full((B * H, -(-n // 32) * 32), np.inf, device=q.device)
         lp[:, :n] = lse.reshape(B * H, n)
         i64 = dict(dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
-            do.reshape(B * Hkv, g, n, Ev), q.reshape(B * Hkv, g, n, E), _fold(k, g),
-            _fold(v, g), None if bias is None else bias.view(B * Hkv, g, n, m),
-            o.reshape(B * Hkv, g, n, Ev), lp.view(B * Hkv, g, -1), torch.zeros((), **i64),
-            torch.zeros((), **i64), 0.0, [True, True, True, False], causal, scale=scale)
-        return (dq.reshape(B, H, n, E), dk.reshape(B, Hkv, g, m, E).sum(2),
-                dv.reshape(B, Hkv, g, m, Ev).sum(2))
+        lp = lp.view(B, Hkv, g, -1)
+        grads = []
+        for b0, b1 in _batches(B, Hkv, bias):
+            bb = b1 - b0
+            dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
+                do[b0:b1].reshape(bb * Hkv, g, n, Ev), q[b0:b1].reshape(bb * Hkv, g, n, E),
+                _fold(k[b0:b1], g), _fold(v[b0:b1], g), _bias_view(bias, b0, b1, Hkv, g, n),
+                o[b0:b1].reshape(bb * Hkv, g, n, Ev), lp[b0:b1].reshape(bb * Hkv, g, -1),
+                torch.zeros((), **i64), torch.zeros((), **i64), 0.0, [True, True, True, False],
+                causal, scale=scale)
+            grads.append((dq.reshape(bb, H, n, E), dk.reshape(bb, Hkv, g, m, E).sum(2),
+                          dv.reshape(bb, Hkv, g, m, Ev).sum(2)))
+        return tuple(x[0] if len(x) == 1 else torch.cat(x) for x in zip(*grads))
 
     return tuple(_cuda_call(run, dout, q, k, v, out, lse, bias))

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import backend
 from .spec import MaskSpec
 
 __all__ = ["visible"]
@@ -45,7 +46,7 @@ def visible(mask: MaskSpec, q_pos: np.ndarray, k_pos: np.ndarray, seg_q: Any = N
         ok &= k - q <= hi
     ok = ok[None]
     if seg_q is not None:
-        ok = ok & (np.asarray(seg_q)[:, :, None] == np.asarray(seg_k)[:, None, :])
+        ok = ok & (backend.to_host(seg_q)[:, :, None] == backend.to_host(seg_k)[:, None, :])
     if pad is not None:
-        ok = ok & ~np.asarray(pad, dtype=bool)[:, None, :]
+        ok = ok & ~backend.to_host(pad).astype(bool, copy=False)[:, None, :]
     return ok

@@ -47,11 +47,13 @@ REFINE_LIMIT = 1 << 20
 
 
 def padding_bias(pad: Any, dtype: Any) -> Any:
-    """``(B, k)`` bool padding (True = ignore) -> additive bias ``(B, 1, 1, k)``: 0 or -inf."""
+    """``(B, k)`` bool padding (True = ignore) -> additive bias ``(B, 1, 1, k)``: 0 or -inf.
+
+    One elementwise pass on the padding's device (no boolean indexing: no host sync on CuPy).
+    """
     xp = backend.array_module(pad)
-    bias = xp.zeros(pad.shape, dtype=dtype)
-    bias[pad] = -np.inf
-    return bias[:, None, None, :]
+    dt = np.dtype(dtype)
+    return xp.ascontiguousarray(xp.where(pad, dt.type(-np.inf), dt.type(0)))[:, None, None, :]
 
 
 class _Side(NamedTuple):
@@ -228,6 +230,22 @@ class BlockMask:
             ok = ok & (self.q_seg[:, i0:i1, None] == self.k_seg[:, None, j0:j1])
         self._pairs = (key, ok)
         return ok
+
+    def band(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int, int, float, float] | None:
+        """``(q0, k0, lo, hi)`` when the tile's positional rule is the band alone.
+
+        That is: no documents, and queries ``i0:i1`` and keys ``j0:j1`` at
+        consecutive increasing positions from ``q0`` and ``k0``; then key
+        ``k0 + j`` is visible to query ``q0 + i`` iff ``lo <= (k0 + j) - (q0 + i) <= hi``
+        (``lo``, ``hi`` may be infinite). None otherwise (use :meth:`visible_pairs`).
+        A device can then mask the tile itself, with no host data to upload.
+        """
+        if self.q_seg is not None or i1 <= i0 or j1 <= j0:
+            return None
+        for pos, a, b in ((self.q_pos, i0, i1), (self.k_pos, j0, j1)):
+            if int(pos[b - 1]) - int(pos[a]) != b - a - 1 or (b - a > 2 and not bool(np.all(np.diff(pos[a:b]) == 1))):
+                return None
+        return int(self.q_pos[i0]), int(self.k_pos[j0]), self._lo, self._hi
 
     # ------------------------------------------------------------------ masks
     def padding(self, xp: Any, j0: int, j1: int, dtype: Any) -> Any:

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import backend
+from .. import backend, gemm
 from ..comm.core import Comm, get_comm
 from ..comm.ring import circulate
 from ..layouts import local_lengths
@@ -68,44 +68,39 @@ __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
 
 
 # --------------------------------------------------------------- ring kernels
-def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
-    """``out[...] = x @ y``, straight into ``out`` where the namespace allows."""
-    if xp is np and out.dtype == x.dtype == y.dtype:
-        np.matmul(x, y, out=out)
-    else:
-        out[...] = xp.matmul(x, y)
-
-
+# Every product goes through :func:`mpiattn.gemm.matmul`, straight into its output (``beta = 1``
+# accumulates in the same launch): on CuPy the operands stay in their dtype (float16 on tensor
+# cores, float32 accumulation, no cast copies); on NumPy they are cast once to the accumulation
+# dtype (BLAS has no float16).
 def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
-    work = backend.accum_dtype(a.dtype)
+    op = gemm.operand_dtype(xp, a.dtype)
     out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
-    a_w = a.astype(work, copy=False)
+    a_w = a.astype(op, copy=False)
     with c.abort_on_error():
         for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
-            b_w = piece.data[0].astype(work, copy=False)
-            _matmul_into(xp, a_w, xp.swapaxes(b_w, -1, -2), out[..., piece.start:piece.stop])
+            b_w = piece.data[0].astype(op, copy=False)
+            gemm.matmul(a_w, xp.swapaxes(b_w, -1, -2), out[..., piece.start:piece.stop])
     return out
 
 
 def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
-    work = backend.accum_dtype(a.dtype)
+    work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     with c.abort_on_error():
         for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
-            a_cols = a[..., piece.start:piece.stop].astype(work, copy=False)
-            acc += xp.matmul(a_cols, piece.data[0].astype(work, copy=False))
+            a_cols = a[..., piece.start:piece.stop].astype(op, copy=False)
+            gemm.matmul(a_cols, piece.data[0].astype(op, copy=False), acc, beta=1.0)
     return acc.astype(a.dtype, copy=False)
 
 
 def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
-    work = backend.accum_dtype(a.dtype)
+    work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
-    b_w = b.astype(work, copy=False)
+    b_w = b.astype(op, copy=False)
     with c.abort_on_error():
         for piece in circulate(c, (), plan.n_ring, layout, plan.block, acc_out=(acc,)):
-            a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(work, copy=False)
-            partial = piece.acc[0]  # a view: add in place (never rebind the tuple item)
-            partial += xp.matmul(a_cols_t, b_w)
+            a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(op, copy=False)
+            gemm.matmul(a_cols_t, b_w, piece.acc[0], beta=1.0)  # a view: added in place
     return acc.astype(a.dtype, copy=False)
 
 

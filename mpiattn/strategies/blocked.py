@@ -71,7 +71,7 @@ def run_backward(pb: Any, dout: Any, q: Any, out: Any, lse: Any, D: Any,
     """Gradients over every block: ``dq`` (accumulation dtype); each block's sinks get its dK, dV."""
     s = pb.spec
     bwd = pb.engine.backward(q=q, dout=dout, out=out, lse=lse, D=D, hkv=s.Hkv, scale=s.scale,
-                             acc_dtype=s.acc_dtype, tile=pb.tile)
+                             acc_dtype=s.acc_dtype, tile=pb.tile, fused=s.fused)
     queries = pb.queries()
     for i, b in enumerate(blocks):
         bm = _mask(pb, queries, b)

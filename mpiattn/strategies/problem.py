@@ -170,7 +170,8 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
             "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
                 None if machine is None else {**machine.to_dict(), "sources": None}),
             "_n": n, "_m": m, "_spec": here, "_machine": machine,
-            "_engine": engines.local_choice(options.engine, here)}
+            "_engine": (choice := engines.local_choice(options.engine, here)),
+            "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
 
 
 def _agree_engine(choices: list[tuple[str, str]], requested: str) -> tuple[str, str]:
@@ -222,8 +223,9 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
                 "kv_segment_ids omitted: the keys take the queries' document ids, which needs "
                 f"N == M and one layout for queries and keys (here N = {N}, M = {M}, layouts "
                 f"{describe(options.layout)} and {describe(kv_layout)}); pass kv_segment_ids")
-        spec = replace(here, N=N, M=M, kv_layout=kv_layout)
         engine_name, engine_reason = _agree_engine([g["_engine"] for g in got], options.engine)
+        tiles = [g["_tile"] for g in got if g["_tile"]]
+        spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None)
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)
@@ -234,5 +236,5 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         seg_q = global_rows(c, ids["q"], N, spec.layout)
         seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
     return Problem(spec, c.size, c.rank, strategy, engine, int(block),
-                   int(options.block_size or DEFAULT_TILE), options.check_finite, strategy_reason,
+                   int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
                    engine_reason, seg_q, seg_k)

@@ -152,6 +152,9 @@ class AttentionSpec:
         What the user chose (strategy, engine, block size, check_finite).
     fused : bool
         Fused CuPy kernels asked for (``MPIATTN_FUSED_KERNELS=1``, read once per call).
+    tile : int or None
+        The score tile the ranks' devices agreed on (the smallest of their
+        engines' :meth:`~mpiattn.kernels.engine.Engine.tile_rows`), None on the host.
     """
 
     B: int
@@ -169,6 +172,7 @@ class AttentionSpec:
     kv_layout: Any
     options: Options
     fused: bool = False
+    tile: int | None = None
 
     @property
     def G(self) -> int:

@@ -140,7 +140,7 @@ class Ulysses(Strategy):
         bm = _whole_mask(c, pb, mask)
         bwd = pb.engine.backward(q=qh, dout=doh, out=oh, lse=stats[..., 0], D=stats[..., 1],
                                  hkv=s.Hkv // pb.P, scale=s.scale, acc_dtype=s.acc_dtype,
-                                 tile=pb.tile)
+                                 tile=pb.tile, fused=s.fused)
         dk = xp.zeros(kh.shape, dtype=s.acc_dtype)
         dv = xp.zeros(vh.shape, dtype=s.acc_dtype)
         bwd.add(kh, vh, bm, dk, dv)

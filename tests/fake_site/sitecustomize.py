@@ -23,12 +23,5 @@ _cp = fake_cupy.install(_Patch(), jitter=1e-5)
 _rng = np.random.default_rng(0)
 _cp.random = types.SimpleNamespace(
     standard_normal=lambda size=None, dtype=np.float64: fake_cupy._dev(_rng.standard_normal(size).astype(dtype)))
-_pool = types.SimpleNamespace(free_all_blocks=lambda: None, used_bytes=lambda: 0, malloc=lambda size: None)
-_cp.get_default_memory_pool = lambda: _pool
-_cp.cuda.set_allocator = lambda allocator=None: None
-_cp.cuda.runtime.getDeviceProperties = lambda device: {"name": b"fake GPU (tests/fake_cupy.py)"}
-_cp.cuda.runtime.runtimeGetVersion = lambda: 0
-_cp.cuda.nccl.get_version = lambda: 0
-fake_cupy.Device.synchronize = lambda self: None
 if os.environ.get("FAKE_CUPY_GPU_PER_RANK") == "1":  # one "GPU" per rank, so NCCL is allowed
     fake_cupy._state.bus_id = f"0000:{int(os.environ.get('PMI_RANK', '0')):02x}:00.0"

@@ -396,8 +396,10 @@ def test_load_errors_on_every_rank(comm, shared_dir):
 def test_device_arrays_with_fake_cupy(comm, xp, monkeypatch):
     """layer.to('cupy') and CuPy-typed inputs, on machines without a GPU (tests/fake_cupy.py).
 
-    The fake's arrays are NumPy memory typed as CuPy arrays, so the results
-    must equal a NumPy run of the same layer bit for bit.
+    The fake's arrays are NumPy memory behind CuPy's interface; the device
+    path of the native engine (exact running maximum, GEMMs through cuBLAS's
+    interface) rounds differently from the host's, so the results equal a
+    NumPy run of the same layer to float32 rounding.
     """
     if xp is not np:
         pytest.skip("the real CuPy backend runs every other test of this file")
@@ -419,10 +421,10 @@ def test_device_arrays_with_fake_cupy(comm, xp, monkeypatch):
             layer.forward(np.zeros((1, 0, 8), dtype=np.float32))
         got = run_layer(layer, cp, *args, False, causal=True, comm=own)
         for key in want:
-            np.testing.assert_array_equal(got[key], want[key])
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=2e-6, err_msg=key)
         for k, g in layer.grads.items():
             assert type(g).__module__ == "cupy"
-            np.testing.assert_array_equal(host(g), g_want[k])
+            np.testing.assert_allclose(host(g), g_want[k], rtol=2e-5, atol=2e-5, err_msg=k)  # bk is 0 up to rounding
         layer.to("numpy")
         assert all(type(p) is np.ndarray for p in layer.params.values())
     finally:
