@@ -114,7 +114,7 @@ def gather(y: torch.Tensor, *, comm: Any = None, dim: int = -2,
     Parameters
     ----------
     y : torch.Tensor
-        This rank's rows (contiguous).
+        This rank's rows (any strides: the rows are copied anyway).
     comm, dim, layout
         As in :func:`shard`.
 
@@ -133,6 +133,7 @@ def gather(y: torch.Tensor, *, comm: Any = None, dim: int = -2,
     True
     """
     c = get_comm(comm)
+    y = y.contiguous()  # gather copies the rows anyway
     check_operands({"y": y})
     return _Gather.apply(y, c, _dim(y, dim), layout)
 
