@@ -46,6 +46,7 @@ def is_bfloat16(dtype: Any) -> bool:
     """True for ``ml_dtypes.bfloat16`` (decided from the dtype, without importing ml_dtypes).
 
     >>> import numpy as np
+    >>> from mpiattn.backend import is_bfloat16
     >>> is_bfloat16(np.float16)
     False
     """

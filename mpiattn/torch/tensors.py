@@ -65,6 +65,7 @@ def to_array(t: torch.Tensor) -> Any:
     Examples
     --------
     >>> import torch
+    >>> from mpiattn.torch.tensors import to_array
     >>> t = torch.arange(3.0)
     >>> a = to_array(t)
     >>> a[0] = 7.0
@@ -94,6 +95,7 @@ def to_tensor(a: Any) -> torch.Tensor:
     Examples
     --------
     >>> import numpy as np
+    >>> from mpiattn.torch.tensors import to_tensor
     >>> to_tensor(np.ones(2, dtype=np.float32))
     tensor([1., 1.])
     """
