@@ -80,6 +80,7 @@ BASE = [
     Case("balanced-tiles-f32", "float32", causal=True, N=64, layout="balanced-tiles", block=8),
     Case("causal-zigzag-bf16", "bfloat16", causal=True, layout="zigzag", N=53, E=16),
     Case("documents-padding-bf16-gqa", "bfloat16", H=4, Hkv=2, docs=True, pad=True),
+    Case("padding-gqa-bf16", "bfloat16", H=4, Hkv=2, pad=True, B=3, N=45, block=16),
     Case("cross-window-bf16", "bfloat16", N=29, M=41, Ev=5, window=(4, 2), kv_layout="explicit"),
 ]
 
