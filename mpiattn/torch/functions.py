@@ -34,14 +34,18 @@ from .tensors import check_extra, check_operands, facts, on_device, to_array, to
 __all__ = ["attention", "matmul_nt", "matmul_nn", "matmul_tn"]
 
 
-def _agree(c: Comm, operands: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
-    """Check the tensors on every rank (one allgather); returns the extra arguments as arrays."""
+def _agree(c: Comm, operands: dict[str, Any], extra: dict[str, Any] | None = None,
+           flags: dict | None = None) -> dict:
+    """Check the tensors on every rank (one allgather); returns the extra arguments as arrays.
+
+    ``flags`` are further facts every rank must share (e.g. ``return_lse``).
+    """
     got: dict = {}
 
     def local() -> dict:
         check_operands(operands)
         got.update(check_extra(extra or {}, next(iter(operands.values())).device))
-        return facts(operands)
+        return {**facts(operands), **(flags or {})}
 
     gathered = c.allgather_checked(local)
     with errors.alike():
@@ -58,6 +62,7 @@ class _Call:
     keywords: dict
     details: dict | None = None
     progress: Any = None
+    lse_grad: bool = False
 
 
 class _Attention(torch.autograd.Function):
@@ -70,21 +75,44 @@ class _Attention(torch.autograd.Function):
             out_t, lse_t = to_tensor(out), to_tensor(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.call = call
-        ctx.mark_non_differentiable(lse_t)
+        ctx.set_materialize_grads(False)
+        if not call.lse_grad:
+            ctx.mark_non_differentiable(lse_t)
         return out_t, lse_t
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple:
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
-        dout = dout.to(q.dtype).contiguous()  # e.g. the expanded ones of a sum(): made dense
+        # dense, in q's dtype (e.g. the expanded ones of a sum()); None: the output was unused
+        dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
+        Ev = v.shape[-1]
+        if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
+            v, dout, out = _with_lse_gradient(v, dout, out, dlse)
         with on_device(q.device):
             grads = np_attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v),
                                           to_array(out), to_array(lse), call.comm,
                                           progress=call.progress, **call.keywords)
             dq, dk, dv = (to_tensor(g) for g in grads)
-        return dq, dk, dv, None
+        return dq, dk, dv[..., :Ev], None
+
+
+def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                       dlse: torch.Tensor | None) -> tuple:
+    """``v``, ``dout``, ``out`` with one more column, so the attention backward adds ``lse``'s.
+
+    ``d lse_i / d S_ij = P_ij``, so the score gradient ``P * (dP - D)`` gains
+    ``P * dlse``. Appending a column of ones to ``v``, ``dlse`` to ``dout`` and
+    zeros to ``out`` gives ``dP'_ij = dP_ij + dlse_i`` and leaves ``D`` as it
+    was: the library's backward (any engine) then returns the gradients of
+    both outputs. Costs a copy of ``v``, ``dout`` and ``out``.
+    """
+    ones = torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)
+    g = torch.zeros(out.shape[:-1], dtype=out.dtype, device=out.device) if dlse is None else \
+        dlse.to(out.dtype)
+    return (torch.cat([v, ones], dim=-1), torch.cat([dout, g[..., None]], dim=-1),
+            torch.cat([out, torch.zeros_like(g)[..., None]], dim=-1))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
@@ -112,7 +140,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     segment_ids, kv_segment_ids : integer tensor or ndarray, optional
         Document ids ``(B, n_r)``, ``(B, m_r)`` (see :func:`mpiattn.attention`).
     return_lse : bool
-        Also return ``lse``.
+        Also return ``lse`` (differentiable: its gradient joins the backward).
     progress, details
         As in :func:`mpiattn.attention` (``details`` is filled by the forward).
     **options
@@ -126,8 +154,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         In q's dtype and on its device, on memory the library allocated (no
         copy).
     lse : torch.Tensor, shape (B, H, n_r)
-        Only with ``return_lse``: float32 (float64 for float64 inputs); it
-        carries no gradient (``requires_grad`` False).
+        Only with ``return_lse``: float32 (float64 for float64 inputs),
+        differentiable (``d lse_i / d score_ij`` is the probability; the
+        backward then works on ``v`` with one more column, a copy).
 
     Raises
     ------
@@ -157,8 +186,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     c = get_comm(comm)
     ids = _agree(c, {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
                                                  "segment_ids": segment_ids,
-                                                 "kv_segment_ids": kv_segment_ids})
-    call = _Call(c, dict(options, **ids), details, progress)
+                                                 "kv_segment_ids": kv_segment_ids},
+                 {"return_lse": bool(return_lse)})
+    lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v))
+    call = _Call(c, dict(options, **ids), details, progress, lse_grad)
     out, lse = _Attention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 

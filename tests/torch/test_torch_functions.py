@@ -63,6 +63,29 @@ def test_gradcheck_attention(comm, case):
     np.testing.assert_allclose(f(Q, K, V).detach().numpy(), ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_gradcheck_attention_with_lse(comm, engine):
+    """``lse`` is differentiable too (with the torch engine, whose kernel forms D itself, as well)."""
+    B, H, N, E = 1, 2, 7, 3
+    Q, K, V = _global(4, (B, H, N, E), (B, H, N, E), (B, H, N, 2))
+    pad = torch.from_numpy(np.random.default_rng(8).random((B, N)) < 0.3)
+    kw = dict(causal=True, layout="zigzag", engine=engine, block_size=2,
+              key_padding_mask=mt.shard(pad, dim=-1, layout="zigzag"))
+
+    def f(q, k, v):
+        out, lse = mt.attention(*(mt.shard(x, layout="zigzag") for x in (q, k, v)), return_lse=True,
+                                **kw)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # rows that see nothing
+        return mt.gather(out, layout="zigzag"), mt.gather(lse, dim=-1, layout="zigzag")
+
+    assert torch.autograd.gradcheck(f, (Q, K, V), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+    def lse_only(q, k, v):  # the output unused: its gradient is None, lse's alone flows
+        return f(q, k, v)[1]
+
+    assert torch.autograd.gradcheck(lse_only, (Q, K, V), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
 @pytest.mark.parametrize("op", ["nt", "nn", "tn"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_gradcheck_products(comm, op, layout):
@@ -107,8 +130,10 @@ def test_same_memory_no_copies(comm):
     b = np.zeros((2, 3), np.float32)
     assert to_tensor(b).data_ptr() == b.__array_interface__["data"][0]
     out, lse = mt.attention(q, q, q, return_lse=True)
-    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and not lse.requires_grad
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.requires_grad
     assert out.is_contiguous()
+    with torch.no_grad():
+        assert not mt.attention(q, q, q, return_lse=True)[1].requires_grad
 
 
 def test_bfloat16_tensors(comm):
