@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..comm.core import get_comm
 from ..layer import MultiheadAttention as NumpyMultiheadAttention
 from ..strategies import Options
 from .functions import attention
@@ -197,14 +198,9 @@ class MultiheadAttention(nn.Module):
             Shaped like ``query``.
         weights : None
         """
-        if need_weights:
-            raise ValueError("need_weights=True would form the (N, M) attention weights, which "
-                             "mpiattn never does; pass need_weights=False")
-        if attn_mask is not None:
-            raise ValueError("attn_mask is not supported; use is_causal, window=, segment_ids= "
-                             "or key_padding_mask")
-        if (key is None) != (value is None):
-            raise ValueError("pass both key and value (cross-attention) or neither (self-attention)")
+        c = get_comm(self.comm if comm is None else comm)
+        with c.collective_errors():  # local checks, the same error on every rank
+            self._check_call(query, key, value, need_weights, attn_mask)
         if key is None:
             key = value = query
         if not self.batch_first:
@@ -216,12 +212,40 @@ class MultiheadAttention(nn.Module):
         opts = Options.of(self.options, **options)
         if is_causal:
             opts = Options.of(opts, causal=True)
-        O = attention(Q, K, V, comm=self.comm if comm is None else comm,
+        O = attention(Q, K, V, comm=c,
                       key_padding_mask=key_padding_mask, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, options=opts)
         B, n = query.shape[:2]
         y = self.out_proj(O.transpose(1, 2).reshape(B, n, self.embed_dim))
         return (y if self.batch_first else y.transpose(0, 1)), None
+
+    def _check_call(self, query: Any, key: Any, value: Any, need_weights: bool,
+                    attn_mask: Any) -> None:
+        if need_weights:
+            raise ValueError("need_weights=True would form the (N, M) attention weights, which "
+                             "mpiattn never does; pass need_weights=False")
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported; use is_causal, window=, segment_ids= "
+                             "or key_padding_mask")
+        if (key is None) != (value is None):
+            raise ValueError("pass both key and value (cross-attention) or neither (self-attention)")
+        p = self.q_proj_weight
+        named = {"query": (query, self.embed_dim)}
+        if key is not None:
+            named.update(key=(key, self.kdim), value=(value, self.vdim))
+        elif self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise ValueError("self-attention (key and value None) needs kdim == vdim == embed_dim")
+        for name, (x, width) in named.items():
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != width:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be a 3-D tensor with {width} features, got {shape}")
+            if x.dtype != p.dtype or x.device != p.device:
+                raise TypeError(f"{name} is {x.dtype} on {x.device}; the layer's parameters are "
+                                f"{p.dtype} on {p.device}")
+        b = 0 if self.batch_first else 1
+        if key is not None and (key.shape[b] != query.shape[b] or key.shape[:2] != value.shape[:2]):
+            raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                             f"{tuple(value.shape)} must agree in batch size (and key, value in rows)")
 
     @torch.no_grad()
     def load_torch(self, other: nn.MultiheadAttention) -> "MultiheadAttention":

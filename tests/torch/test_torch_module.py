@@ -137,6 +137,17 @@ def test_arguments_without_a_counterpart_are_refused():
         layer(x, x, x, attn_mask=torch.zeros(3, 3, dtype=torch.bool))
 
 
+def test_bad_inputs_raise_on_every_rank(comm):
+    """The last rank alone passes a wrong width: every rank raises its error (none waits)."""
+    layer = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 3, 7 if comm.rank == comm.size - 1 else 8)
+    with pytest.raises(ValueError, match="query must be a 3-D tensor with 8 features") as info:
+        layer(x)
+    assert isinstance(info.value, mpiattn.comm.errors.Agreed)
+    with pytest.raises(TypeError, match="the layer's parameters are torch.float32"):
+        layer(torch.randn(1, 3, 8, dtype=torch.float64))
+
+
 @pytest.mark.mpi(min_size=4)
 def test_composes_with_data_parallelism(comm):
     """4 ranks: 2 sequences (data parallel) x 2 shards each (sequence parallel).
