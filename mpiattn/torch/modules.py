@@ -10,25 +10,25 @@ Parity with ``torch.nn.MultiheadAttention``
 The constructor and ``forward`` take torch's arguments where they overlap,
 with torch's meanings:
 
-========================  ==========================================================
-torch's argument          here
-========================  ==========================================================
-``embed_dim, num_heads``  the same
-``bias``                  the same (``in_proj_bias`` and ``out_proj.bias``)
-``kdim, vdim``            the same
-``batch_first``           the same, default False: ``(n_r, B, E)``; True: ``(B, n_r, E)``
-``device, dtype``         the same (float16, bfloat16, float32, float64)
-``dropout``               0.0 only (mpiattn never forms the attention weights)
-``add_bias_kv``,          False only
-``add_zero_attn``
-``key_padding_mask``      bool, True = ignore (torch's float masks are not taken)
-``need_weights``          False only (default False here, True in torch): the
-                          ``(N, M)`` weights are never formed; returns
-                          ``(output, None)`` as torch does with False
-``attn_mask``             None only; use ``is_causal``, ``window``, ``segment_ids``
-``is_causal``             the causal rule itself (torch: a hint beside ``attn_mask``)
-``average_attn_weights``  accepted, unused
-========================  ==========================================================
+======================================  ===================================================
+torch's argument                        here
+======================================  ===================================================
+``embed_dim``, ``num_heads``            the same
+``bias``                                the same (``in_proj_bias`` and ``out_proj.bias``)
+``kdim``, ``vdim``                      the same
+``batch_first``                         the same, default False: ``(n_r, B, E)``;
+                                        True: ``(B, n_r, E)``
+``device``, ``dtype``                   the same (float16, bfloat16, float32, float64)
+``dropout``                             0.0 only (mpiattn never forms the attention weights)
+``add_bias_kv``, ``add_zero_attn``      False only
+``key_padding_mask``                    bool, True = ignore (torch's float masks are not taken)
+``need_weights``                        False only (default False here, True in torch): the
+                                        ``(N, M)`` weights are never formed; returns
+                                        ``(output, None)`` as torch does with False
+``attn_mask``                           None only; use ``is_causal``, ``window``, ``segment_ids``
+``is_causal``                           the causal rule itself (torch: a hint beside ``attn_mask``)
+``average_attn_weights``                accepted, unused
+======================================  ===================================================
 
 Parameter names follow torch's (the layout it uses when ``kdim``/``vdim``
 differ from ``embed_dim``): ``q_proj_weight (E, E)``, ``k_proj_weight
