@@ -6,9 +6,15 @@ GPU explicitly, so ``import mpiattn`` never creates a CUDA context.
 
 Dtype policy
 ------------
-float16 and float32 inputs accumulate in float32; float64 inputs accumulate in
-float64. Results are returned in the input dtype; log-sum-exp values stay in
-the accumulation dtype.
+float16, bfloat16 and float32 inputs accumulate in float32; float64 inputs
+accumulate in float64. Results are returned in the input dtype; log-sum-exp
+values stay in the accumulation dtype.
+
+bfloat16 is the NumPy dtype of the ``ml_dtypes`` package (``ml_dtypes.bfloat16``,
+``pip install "mpiattn[bf16]"``; torch bf16 tensors reach it through
+:mod:`mpiattn.torch`). It is recognised by the dtype itself, so this module never
+imports ``ml_dtypes``: an array of that dtype means the caller already did.
+CuPy has no bfloat16 dtype, so bfloat16 runs on NumPy arrays only.
 """
 
 from __future__ import annotations
@@ -28,10 +34,32 @@ __all__ = [
     "to_device",
     "synchronize",
     "check_dtype",
+    "is_bfloat16",
+    "dtype_name",
 ]
 
-#: Floating dtypes the numerical kernels accept.
+#: Floating dtypes the numerical kernels accept (and bfloat16, see :func:`is_bfloat16`).
 SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """True for ``ml_dtypes.bfloat16`` (decided from the dtype, without importing ml_dtypes).
+
+    >>> import numpy as np
+    >>> from mpiattn.backend import is_bfloat16
+    >>> is_bfloat16(np.float16)
+    False
+    """
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return False
+    return dt.name == "bfloat16" and dt.type.__module__.split(".")[0] == "ml_dtypes"
+
+
+def dtype_name(dtype: Any) -> str:
+    """The dtype's name as the engines declare it (``"float32"``, ``"bfloat16"``, ...)."""
+    return np.dtype(dtype).name
 
 
 def is_cupy_array(x: Any) -> bool:
@@ -72,16 +100,17 @@ def array_module(*arrays: Any) -> ModuleType:
 
 
 def accum_dtype(dtype: Any) -> np.dtype:
-    """Accumulation dtype: float64 for float64, float32 for float16/float32."""
+    """Accumulation dtype: float64 for float64, float32 for float16/bfloat16/float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 def check_dtype(dtype: Any, what: str = "array") -> np.dtype:
     """Return ``dtype`` as a numpy dtype, or raise TypeError when unsupported."""
     dt = np.dtype(dtype)
-    if dt not in SUPPORTED_DTYPES:
+    if dt not in SUPPORTED_DTYPES and not is_bfloat16(dt):
         raise TypeError(
-            f"{what} has dtype {dt}; mpiattn computes in float16, float32 or float64"
+            f"{what} has dtype {dt}; mpiattn computes in float16, bfloat16 (ml_dtypes), "
+            "float32 or float64"
         )
     return dt
 

@@ -146,6 +146,16 @@ class MultiheadAttention:
     forward ``2 * B * (n_r * E * 2E + m_r * Hkv*D * (kdim + vdim))`` FLOPs,
     backward twice that; communication in backward: one allreduce of
     ``2E^2 + Hkv*D*(kdim + vdim)`` (+ biases) words.
+
+    Examples
+    --------
+    >>> import numpy as np, mpiattn
+    >>> layer = mpiattn.MultiheadAttention(8, 2, seed=0)
+    >>> x_r = mpiattn.shard(np.ones((1, 5, 8), np.float32), axis=1)   # this rank's rows
+    >>> y = layer.forward(x_r, causal=True)
+    >>> dx, _, _ = layer.backward(np.ones_like(y))
+    >>> y.shape, layer.grads["wq"].shape
+    ((1, 5, 8), (8, 8))
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,

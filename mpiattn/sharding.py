@@ -40,6 +40,15 @@ def partition(n: int, comm: Any = None, layout: Any = "contiguous") -> np.ndarra
     -------
     numpy.ndarray
         1-D int64 array of length ``n_r``, increasing within each segment.
+
+    Examples
+    --------
+    In one process every row is rank 0's; under ``mpiexec -n 2`` with
+    ``layout="zigzag"`` rank 0 gets rows 0-1 and 6-7 of 8.
+
+    >>> import mpiattn
+    >>> mpiattn.partition(8, layout="zigzag")
+    array([0, 1, 2, 3, 4, 5, 6, 7])
     """
     c = get_comm(comm)
     return positions(segments(int(n), c.rank, c.size, layout))

@@ -44,8 +44,9 @@ if ! "$PY" -c "import h5py, sys; sys.exit(not h5py.get_config().mpi)" 2>/dev/nul
     CC=/usr/bin/mpicc HDF5_MPI=ON HDF5_DIR=$HDF5_DIR "$PY" -m pip install -q \
         --no-build-isolation --no-binary=h5py h5py || verdict FAIL "building h5py against $HDF5_DIR failed"
 fi
-# mpiattn with the test tools, without the mpich extra (h5py and mpi4py are already there)
-"$PY" -m pip install -q -e ".[test]" || verdict FAIL "pip install -e .[test] failed"
+# mpiattn with the test tools, without the mpich extra (h5py and mpi4py are already there);
+# bf16: ml_dtypes, so bfloat16 datasets are written with collective parallel HDF5 too
+"$PY" -m pip install -q -e ".[test,bf16]" || verdict FAIL "pip install -e .[test,bf16] failed"
 
 step "checks of the stack"
 if "$PY" -m pip show -q mpich >/dev/null 2>&1; then

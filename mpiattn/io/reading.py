@@ -23,6 +23,7 @@ from ..comm import errors
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
 from .atomic import on_rank0
+from .hdf5types import BFLOAT16, bfloat16_dtype, is_bfloat16_type
 from .paths import missing
 
 __all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute",
@@ -207,7 +208,7 @@ def _check_dtype(name: str, dt: np.dtype) -> None:
         return
     if dt.kind != "f" or dt.newbyteorder("=") not in backend.SUPPORTED_DTYPES:
         raise TypeError(f"dataset {name!r} has dtype {dt}; mpiattn needs real floating-point "
-                        "data (float16, float32 or float64, any byte order)")
+                        "data (float16, bfloat16, float32 or float64, any byte order)")
 
 
 def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
@@ -274,7 +275,8 @@ def _read_meta(path: str) -> dict:
                 raise ValueError(f"{path}: {name!r} is a group, not a dataset")
             _check_dtype(name, ds.dtype)
             stored[name] = tuple(int(s) for s in ds.shape)
-            dtypes[name] = ds.dtype.newbyteorder("=").str  # read in native byte order
+            dtypes[name] = (BFLOAT16 if is_bfloat16_type(ds.id.get_type())  # docs/file-format.md
+                            else ds.dtype.newbyteorder("=").str)  # read in native byte order
         shapes = {name: _promoted(name, s) for name, s in stored.items()}
         _validate(shapes)
         causal = _causal_attribute(path, f.attrs.get("causal"))
@@ -314,10 +316,14 @@ def _scale_attribute(path: str, value: Any) -> float | None:
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
     """Rows ``segs`` of dataset ``ds`` along ``axis``, one hyperslab per segment.
 
-    Read in native byte order (HDF5 converts a big-endian dataset on read).
+    Read in native byte order (HDF5 converts a big-endian dataset on read);
+    bfloat16 (:mod:`mpiattn.io.hdf5types`) bit for bit, as ``ml_dtypes.bfloat16``.
     """
     shape = list(ds.shape)
     shape[axis] = sum(ln for _, ln in segs)
+    ftype = ds.id.get_type()
+    if is_bfloat16_type(ftype):
+        return _read_bits(ds, ftype, segs, axis, shape).view(bfloat16_dtype())
     out = np.empty(shape, dtype=ds.dtype.newbyteorder("="))
     pos = 0
     for g, ln in segs:
@@ -327,6 +333,27 @@ def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarra
         dst[axis] = slice(pos, pos + ln)
         if out.size:
             ds.read_direct(out, tuple(src), tuple(dst))
+        pos += ln
+    return out
+
+
+def _read_bits(ds: Any, ftype: Any, segs: list[tuple[int, int]], axis: int,
+               shape: list[int]) -> np.ndarray:
+    """The segments of a 16-bit dataset as uint16 bits (memory type = file type: no conversion)."""
+    from h5py import h5s
+
+    out = np.empty(shape, dtype=np.uint16)
+    pos = 0
+    for g, ln in segs:
+        if ln and out.size:
+            part = np.empty(shape[:axis] + [ln] + shape[axis + 1:], dtype=np.uint16)
+            fspace = ds.id.get_space()
+            fspace.select_hyperslab(tuple(g if i == axis else 0 for i in range(len(shape))),
+                                    tuple(part.shape))
+            ds.id.read(h5s.create_simple(part.shape), fspace, part, mtype=ftype)
+            idx = [slice(None)] * len(shape)
+            idx[axis] = slice(pos, pos + ln)
+            out[tuple(idx)] = part
         pos += ln
     return out
 
@@ -419,7 +446,8 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     meta = read_meta(path, c) if meta is None else meta
     shapes = meta["shapes"]
     compute = np.dtype(dtype) if dtype is not None else np.result_type(
-        *(np.dtype(meta["dtypes"][x]) for x in ("q", "k", "v")))
+        *(bfloat16_dtype() if meta["dtypes"][x] == BFLOAT16 else np.dtype(meta["dtypes"][x])
+          for x in ("q", "k", "v")))
     n, m = shapes["q"][2], shapes["k"][2]
     arrays: dict[str, np.ndarray] = {}
 

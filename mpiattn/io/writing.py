@@ -25,10 +25,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..layouts import all_segments, check_layout, describe, local_length
 from .atomic import NoSpaceError, write_atomically
+from .hdf5types import BFLOAT16, bfloat16_type
 from .publishing import Outputs
 from .reading import parallel_hdf5
 
@@ -90,8 +92,13 @@ def _local_meta(datasets: Mapping[str, Rows], nranks: int, rank: int, layout: An
         if x.shape[rows.axis] != want:
             raise ValueError(f"dataset {name!r}: rank {rank} holds {x.shape[rows.axis]} rows, the "
                              f"{describe(lay)} layout of {rows.length} rows gives it {want}")
-        meta[name] = (rows.global_shape(), x.dtype.str, rows.axis)
+        meta[name] = (rows.global_shape(), _dtype_key(x.dtype), rows.axis)
     return meta
+
+
+def _dtype_key(dt: np.dtype) -> str:
+    """A dataset's dtype in the metadata: its ``str``, or ``"bfloat16"`` (:mod:`mpiattn.io.hdf5types`)."""
+    return BFLOAT16 if backend.is_bfloat16(dt) else dt.str
 
 
 def _select(space: Any, shape: tuple[int, ...], segs: list[tuple[int, int]], axis: int) -> None:
@@ -136,11 +143,20 @@ def _write_slabs(f: Any, datasets: Mapping[str, Rows], segs_of: Callable[[Rows],
             mspace = h5s.create(h5s.SCALAR)
             mspace.select_none()
             x = np.zeros(1, dtype=x.dtype)
-        ds.id.write(mspace, fspace, x, dxpl=dxpl)
+        if backend.is_bfloat16(x.dtype):  # the bits, unconverted, as the file's bfloat16 type
+            ds.id.write(mspace, fspace, x.view(np.uint16), mtype=bfloat16_type(), dxpl=dxpl)
+        else:
+            ds.id.write(mspace, fspace, x, dxpl=dxpl)
 
 
 def _create(f: Any, meta: dict, attrs: Mapping[str, Any]) -> None:
+    import h5py
+
     for name, (shape, dtype, axis) in meta.items():
+        if dtype == BFLOAT16:
+            f.create_dataset(name, shape=shape, dtype=h5py.Datatype(bfloat16_type()),
+                             chunks=_chunks(shape, axis, 2))
+            continue
         dt = np.dtype(dtype)
         f.create_dataset(name, shape=shape, dtype=dt, chunks=_chunks(shape, axis, dt.itemsize))
     for key, value in attrs.items():
@@ -276,5 +292,5 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
 
 def data_bytes(meta: Mapping[str, tuple]) -> int:
     """Bytes of array data in datasets ``{name: (global shape, dtype, axis)}``."""
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+    return sum(int(np.prod(shape, dtype=np.int64)) * (2 if dt == BFLOAT16 else np.dtype(dt).itemsize)
                for shape, dt, _ in meta.values())

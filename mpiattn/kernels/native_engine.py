@@ -75,7 +75,7 @@ class NativeEngine(Engine):
 
     name = "native"
     capabilities = Capabilities(
-        dtypes={"numpy": ("float16", "float32", "float64"),
+        dtypes={"numpy": ("float16", "bfloat16", "float32", "float64"),
                 "cupy": ("float16", "float32", "float64")},
         rules=RULES, needs_out=False)
 

@@ -17,7 +17,7 @@ Each call returns its rows' ``(out, lse)``, merged into the running result
 with the overflow-safe log-sum-exp update. The backward makes the same calls
 with the global ``out`` and ``lse`` (exact per block, FlashAttention-2).
 
-Supported: NumPy (torch CPU) float32, float64, float16; CuPy (torch CUDA)
+Supported: NumPy (torch CPU) float32, float64, float16, bfloat16 (``ml_dtypes``); CuPy (torch CUDA)
 float16, float32 with head dims that are multiples of 8 (not yet run on a
 GPU); masks: causal and key padding (windows and documents go to
 ``native``). Tested on the CPU with torch 2.13 and 2.11 (the GPU machine's);
@@ -154,7 +154,8 @@ class TorchEngine(Engine):
 
     name = "torch"
     capabilities = Capabilities(
-        dtypes={"numpy": ("float16", "float32", "float64"), "cupy": ("float16", "float32")},
+        dtypes={"numpy": ("float16", "bfloat16", "float32", "float64"),
+                "cupy": ("float16", "float32")},
         rules=("causal", "padding"), needs_out=True, head_dim_multiple={"cupy": 8})
 
     def usable(self, device: str) -> str | None:

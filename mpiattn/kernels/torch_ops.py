@@ -12,10 +12,12 @@ Findings, torch 2.13.0+cpu (see :data:`TESTED_TORCH` for the versions tested)
 ------------------------------------------------------------------------------
 * CPU ops (schemas in :data:`_SCHEMAS`): ``_scaled_dot_product_flash_attention_for_cpu``
   -> ``(output, logsumexp)`` and ``..._for_cpu_backward`` -> ``(dq, dk, dv)``.
-* dtypes: float32, float64, float16, bfloat16 (NumPy and CuPy have no bfloat16, so it is
-  not reachable here). Half inputs: the kernel accumulates in float32 within a 512-key
+* dtypes: float32, float64, float16, bfloat16 (NumPy's bfloat16 is ``ml_dtypes.bfloat16``,
+  handed over as an ``int16`` view and viewed back: :func:`_tensors`, :func:`_host`; CuPy
+  has none). Half inputs: the kernel accumulates in float32 within a 512-key
   split, but keeps dq/dk/dv in the half dtype between splits (aten source); so the
-  backward here runs in float32 for float16 inputs (copies of the block's operands).
+  backward here runs in float32 for float16 and bfloat16 inputs (copies of the block's
+  operands).
   lse is float32 (float64 for float64 input), natural log, one value per row,
   shape (B, H, n) as a transposed view of a (B, n, H) buffer. out is (B, H, n, E) as a view
   of a (B, n, H, E) buffer; the gradients likewise.
@@ -171,12 +173,30 @@ def _lse_dtype(q: Any) -> Any:
 
 
 def _tensors(*arrays: np.ndarray) -> list[Any]:
-    """torch.from_numpy on each array (shares memory; copies only a negative-stride array)."""
+    """torch.from_numpy on each array (shares memory; copies only a negative-stride array).
+
+    ``ml_dtypes.bfloat16`` arrays cross as their bits (an ``int16`` view) and become
+    ``torch.bfloat16`` tensors on the same memory.
+    """
     torch = _torch()
+
+    def one(a: np.ndarray) -> Any:
+        a = np.ascontiguousarray(a) if min(a.strides, default=0) < 0 else a
+        if backend.is_bfloat16(a.dtype):
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
     with warnings.catch_warnings():  # read-only inputs: the kernels never write them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return [torch.from_numpy(np.ascontiguousarray(a) if min(a.strides, default=0) < 0 else a)
-                for a in arrays]
+        return [one(a) for a in arrays]
+
+
+def _host(t: Any, like: Any) -> np.ndarray:
+    """A CPU tensor's NumPy view; bfloat16 viewed back as ``like``'s ``ml_dtypes.bfloat16``."""
+    torch = _torch()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(like.dtype)
+    return t.numpy()
 
 
 def _setup(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
@@ -196,7 +216,7 @@ def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
     ----------
     q, k, v : arrays (NumPy on CPU, CuPy on CUDA)
         (B, H, n, E), (B, Hkv, m, E), (B, Hkv, m, Ev); H % Hkv == 0, query head h uses
-        kv head h // (H // Hkv). float32/float64/float16 on CPU.
+        kv head h // (H // Hkv). float32/float64/float16/bfloat16 on CPU.
     scale : float
         Multiplies q k^T.
     mask : bool array broadcastable to (B, H, n, m), optional
@@ -218,7 +238,7 @@ def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
     tq, tk, tv = _tensors(_pad(q, d), _pad(k, d), _pad(v, d))
     causal = causal_aligned and mask is None  # top-left in the kernel
     o, lse = _op(_CPU_F)(tq, tk, tv, 0.0, causal, attn_mask=tm, scale=float(scale))
-    out, lse = o.numpy()[..., :Ev], lse.numpy()  # views of torch's buffers
+    out, lse = _host(o, q)[..., :Ev], lse.numpy()  # views of torch's buffers
     if bm is not None:
         hidden = ~bm.any(axis=-1)  # torch gives these rows out = 0, lse = 0
         if hidden.any():
@@ -241,7 +261,7 @@ def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, sca
     Returns
     -------
     dq : (B, H, n, E); dk : (B, Hkv, m, E); dv : (B, Hkv, m, Ev), strided views: in q's
-        dtype, float32 for float16 input. With GQA/MQA the kernel runs one key/value head
+        dtype, float32 for float16 and bfloat16 input. With GQA/MQA the kernel runs one key/value head
         per query head and dk/dv are summed over each head group here, in float64 (the
         kernel's own group sums, in float32, miss the accuracy rule of the contract suite).
     """
@@ -251,7 +271,8 @@ def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, sca
     Hkv, m = k.shape[1], k.shape[2]
     if empty:
         return tuple(np.zeros(x.shape, q.dtype) for x in (q, k, v))
-    work = np.float32 if q.dtype == np.float16 else q.dtype  # half gradients: see the module notes
+    half = q.dtype == np.float16 or backend.is_bfloat16(q.dtype)
+    work = np.dtype(np.float32) if half else q.dtype  # half gradients: see the module notes
     lse = np.where(np.isneginf(lse), np.inf, lse).astype(_lse_dtype(q))  # +inf: P = 0
     dout, out, q_w, k_w, v_w = (_pad(x.astype(work, copy=False), d) for x in (dout, out, q, k, v))
     G = H // Hkv

@@ -152,6 +152,14 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     words, plus sends not yet completed (one piece ahead per peer in
     practice); for float16 also float32 copies of ``a`` and of one output tile
     (``L·n_r·k``). The result itself is ``L·n_r·M`` words.
+
+    Examples
+    --------
+    >>> import numpy as np, mpiattn
+    >>> a = np.arange(6.0).reshape(3, 2)
+    >>> c_r = mpiattn.matmul_nt(mpiattn.shard(a), mpiattn.shard(a))  # this rank's rows of A·Aᵀ
+    >>> bool(np.array_equal(mpiattn.gather(c_r), a @ a.T))
+    True
     """
     c = get_comm(comm)
     op = "matmul_nt"

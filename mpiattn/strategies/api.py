@@ -90,8 +90,21 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     Notes
     -----
     GQA/MQA: ``H`` must be a multiple of ``Hkv``; query head ``h`` uses
-    key/value head ``h // (H // Hkv)``. float16 and float32 accumulate in
-    float32. NumPy and CuPy inputs run the same code.
+    key/value head ``h // (H // Hkv)``. float16, bfloat16 (``ml_dtypes``) and
+    float32 accumulate in float32. NumPy and CuPy inputs run the same code.
+
+    Examples
+    --------
+    Run under ``mpiexec -n P``, each rank passes its rows; here one process:
+
+    >>> import numpy as np, mpiattn
+    >>> x = np.random.default_rng(0).standard_normal((1, 2, 6, 4))
+    >>> x_r = mpiattn.shard(x)                      # this rank's rows
+    >>> out, lse = mpiattn.attention(x_r, x_r, x_r, causal=True)
+    >>> out.shape, lse.shape
+    ((1, 2, 6, 4), (1, 2, 6))
+    >>> bool(np.allclose(out[:, :, 0], x[:, :, 0]))  # query 0 sees key 0 only
+    True
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids)
@@ -135,6 +148,15 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     ValueError, TypeError
         As :func:`attention`, and when ``dout``, ``out`` or ``lse`` do not
         match ``q`` and ``v``.
+
+    Examples
+    --------
+    >>> import numpy as np, mpiattn
+    >>> q = np.random.default_rng(1).standard_normal((1, 1, 5, 3))
+    >>> out, lse = mpiattn.attention(q, q, q, window=(1, 0))
+    >>> dq, dk, dv = mpiattn.attention_backward(np.ones_like(out), q, q, q, out, lse, window=(1, 0))
+    >>> dq.shape == q.shape and dv.shape == q.shape
+    True
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse}, options,

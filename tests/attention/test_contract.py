@@ -6,13 +6,15 @@ test code, on every case it declares it supports (the others are skipped with it
 reason). Each case runs forward and backward on sharded inputs and is compared, on the
 gathered arrays, with the tests' float64 reference (``helpers.dense_attention``) under
 FlashAttention's rule: the error of each output is at most 2x (float64) or 3x
-(float32, float16) the error of a plain same-dtype attention computed by torch (NumPy
-where torch is absent), plus one rounding step of the output (``lse``: of float32 at
-least, its dtype for float16 inputs); for ``dq`` and ``dk`` also
+(float32, float16, bfloat16) the error of a plain same-dtype attention computed by torch
+(NumPy where torch is absent; bfloat16 cases need torch and ml_dtypes), plus one rounding
+step of the output (``lse``: of float32 at least, its dtype for float16 inputs); for
+``dq`` and ``dk`` also
 one rounding step of ``D = rowsum(dout * out)``, which the plain baseline does not form
 and which shows where a row's softmax is one-hot (e.g. ``window=(0, 0)``).
 
-The matrix: dtypes, masks (causal, windows, documents, padding, fully masked rows),
+The matrix: dtypes (bfloat16 as ``ml_dtypes.bfloat16`` arrays: the inputs rounded to
+bfloat16, the reference computed from those rounded values in float64), masks (causal, windows, documents, padding, fully masked rows),
 layouts (named, explicit, balanced), GQA/MQA, uneven and empty shards, N != M; and a
 sample of FlashAttention's own test grid (sequence-length pairs, head dims 32..256,
 9 query heads on 9, 3 or 1 key/value heads, random windows).
@@ -77,6 +79,10 @@ BASE = [
     Case("tiny-empty-shards-f64", "float64", N=3, M=2, B=1),
     Case("uneven-f16-gqa", "float16", H=6, Hkv=2, N=31, E=16, causal=True, layout="zigzag"),
     Case("balanced-tiles-f32", "float32", causal=True, N=64, layout="balanced-tiles", block=8),
+    Case("causal-zigzag-bf16", "bfloat16", causal=True, layout="zigzag", N=53, E=16),
+    Case("documents-padding-bf16-gqa", "bfloat16", H=4, Hkv=2, docs=True, pad=True),
+    Case("padding-gqa-bf16", "bfloat16", H=4, Hkv=2, pad=True, B=3, N=45, block=16),
+    Case("cross-window-bf16", "bfloat16", N=29, M=41, Ev=5, window=(4, 2), kv_layout="explicit"),
 ]
 
 
@@ -107,10 +113,25 @@ ENGINES = list(engines.ENGINES)
 
 
 # ------------------------------------------------------------------ data and references
+def _dtype(name):
+    """The numpy dtype of a case (``bfloat16``: ml_dtypes', imported here)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _eps(dt):
+    if dt.name == "bfloat16":
+        import ml_dtypes
+        return float(ml_dtypes.finfo(dt).eps)
+    return float(np.finfo(dt).eps)
+
+
 @functools.lru_cache(maxsize=1)
 def _data(case):
     rng = np.random.default_rng(case.seed)
-    dt = np.dtype(case.dtype)
+    dt = _dtype(case.dtype)
     Q = rng.standard_normal((case.B, case.H, case.N, case.E)).astype(dt)
     K = rng.standard_normal((case.B, case.Hkv, case.m, case.E)).astype(dt)
     V = rng.standard_normal((case.B, case.Hkv, case.m, case.ev)).astype(dt)
@@ -134,7 +155,10 @@ def _baseline(Q, K, V, dO, vis, dt):
     except ImportError:
         return _numpy_baseline(Q, K, V, dO, vis, dt)
     G = Q.shape[1] // K.shape[1]
-    t = [torch.from_numpy(np.ascontiguousarray(x)).requires_grad_(True) for x in (Q, K, V)]
+    tdt = torch.bfloat16 if dt.name == "bfloat16" else None  # via float32: exact for bfloat16
+    as_t = (lambda x: torch.from_numpy(x.astype(np.float32)).to(tdt)) if tdt is not None else (
+        lambda x: torch.from_numpy(np.ascontiguousarray(x)))
+    t = [as_t(x).requires_grad_(True) for x in (Q, K, V)]
     s = 1 / np.sqrt(Q.shape[-1])
     Kr, Vr = t[1].repeat_interleave(G, dim=1), t[2].repeat_interleave(G, dim=1)
     S = (t[0] @ Kr.transpose(-1, -2)) * s
@@ -143,9 +167,9 @@ def _baseline(Q, K, V, dO, vis, dt):
     lse = torch.logsumexp(S.detach(), dim=-1)
     P = torch.softmax(S, dim=-1).nan_to_num(0.0)
     out = P @ Vr
-    out.backward(torch.from_numpy(np.ascontiguousarray(dO)))
-    return (out.detach().numpy(), lse.numpy(), t[0].grad.numpy(), t[1].grad.numpy(),
-            t[2].grad.numpy())
+    out.backward(as_t(dO))
+    host_ = lambda x: x.detach().to(torch.float64).numpy() if tdt is not None else x.numpy()  # noqa: E731
+    return (host_(out.detach()), host_(lse), host_(t[0].grad), host_(t[1].grad), host_(t[2].grad))
 
 
 def _numpy_baseline(Q, K, V, dO, vis, dt):
@@ -194,9 +218,9 @@ def _allowances(Q, K, V, dO, vis, lse):
 def _check(case, got, ref, base, Q, K, V, dO, vis):
     """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
     largest magnitude (``lse``, ``D``: :func:`_allowances`)."""
-    dt = np.dtype(case.dtype)
+    dt = _dtype(case.dtype)
     factor = 2.0 if dt == np.float64 else 3.0
-    eps = float(np.finfo(dt).eps)
+    eps = _eps(dt)
     eps_acc = float(np.finfo(np.float64 if dt == np.float64 else np.float32).eps)
     out, lse, dq, dk, dv = got
     r_out, r_lse, r_dq, r_dk, r_dv = ref
@@ -241,6 +265,9 @@ def _skip_reason(comm, strategy, engine, case, spec):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])  # slowest: one case's data, reused
 def test_contract(comm, xp, strategy, engine, case):
+    if case.dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+        pytest.importorskip("torch", reason="bfloat16's baseline is torch's bfloat16 attention")
     P = comm.size
     options = Options(causal=case.causal, window=case.window, strategy=strategy, engine=engine,
                       block_size=case.block)

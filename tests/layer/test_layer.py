@@ -328,7 +328,7 @@ def test_bad_constructor_arguments():
         MultiheadAttention(10, 4)
     with pytest.raises(ValueError, match="divisible by num_kv_heads"):
         MultiheadAttention(12, 4, num_kv_heads=3)
-    with pytest.raises(TypeError, match="float16, float32 or float64"):
+    with pytest.raises(TypeError, match=r"float16, bfloat16 \(ml_dtypes\), float32 or float64"):
         MultiheadAttention(8, 2, dtype=np.int32)
     with pytest.raises(ValueError, match="positive integer"):
         MultiheadAttention(0, 1)

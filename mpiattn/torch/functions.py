@@ -1,0 +1,304 @@
+"""Autograd functions: distributed attention and the three products on torch tensors.
+
+Each function takes this rank's rows as tensors, runs the library call on
+the same memory (:mod:`mpiattn.torch.tensors`), and returns tensors; its
+backward is the library's backward (:func:`mpiattn.attention_backward`, the
+products' closure :func:`mpiattn.matmul_nt_backward` and its siblings).
+
+Collective, in both directions: every rank of the communicator calls the
+function, and every rank runs its backward (a loss that reaches the output on
+every rank, e.g. a global mean; a rank with no rows still backpropagates its
+empty output). Before any work one agreement checks the tensors on every rank
+(contiguous, one device, one dtype, masks that need no gradient, the same
+``requires_grad`` pattern everywhere, since a rank that builds no backward node
+would leave the others waiting); a fault on any rank raises the same error on
+every rank (:class:`mpiattn.comm.errors.Agreed`). The library call then checks
+shapes and options as it always does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .. import products
+from ..comm import errors
+from ..comm.core import Comm, get_comm
+from ..strategies import attention as np_attention
+from ..strategies import attention_backward as np_attention_backward
+from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
+
+__all__ = ["attention", "matmul_nt", "matmul_nn", "matmul_tn"]
+
+
+def _agree(c: Comm, operands: dict[str, Any], extra: dict[str, Any] | None = None,
+           flags: dict | None = None) -> dict:
+    """Check the tensors on every rank (one allgather); returns the extra arguments as arrays.
+
+    ``flags`` are further facts every rank must share (e.g. ``return_lse``).
+    """
+    got: dict = {}
+
+    def local() -> dict:
+        check_operands(operands)
+        got.update(check_extra(extra or {}, next(iter(operands.values())).device))
+        return {**facts(operands), **(flags or {})}
+
+    gathered = c.allgather_checked(local)
+    with errors.alike():
+        for name in gathered[0]:
+            errors.same_everywhere([g[name] for g in gathered], name)
+    return got
+
+
+@dataclass
+class _Call:
+    """What a call passes through autograd besides its tensors."""
+
+    comm: Comm
+    keywords: dict
+    details: dict | None = None
+    progress: Any = None
+    lse_grad: bool = False
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+        with on_device(q.device):
+            out, lse = np_attention(to_array(q), to_array(k), to_array(v), call.comm,
+                                    progress=call.progress, details=call.details, **call.keywords)
+            out_t, lse_t = to_tensor(out), to_tensor(lse)
+        ctx.save_for_backward(q, k, v, out_t, lse_t)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        if not call.lse_grad:
+            ctx.mark_non_differentiable(lse_t)
+        return out_t, lse_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        call: _Call = ctx.call
+        # dense, in q's dtype (e.g. the expanded ones of a sum()); None: the output was unused
+        dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
+        Ev = v.shape[-1]
+        if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
+            v, dout, out = _with_lse_gradient(v, dout, out, dlse)
+        with on_device(q.device):
+            grads = np_attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v),
+                                          to_array(out), to_array(lse), call.comm,
+                                          progress=call.progress, **call.keywords)
+            dq, dk, dv = (to_tensor(g) for g in grads)
+        return dq, dk, dv[..., :Ev], None
+
+
+def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
+                       dlse: torch.Tensor | None) -> tuple:
+    """``v``, ``dout``, ``out`` with one more column, so the attention backward adds ``lse``'s.
+
+    ``d lse_i / d S_ij = P_ij``, so the score gradient ``P * (dP - D)`` gains
+    ``P * dlse``. Appending a column of ones to ``v``, ``dlse`` to ``dout`` and
+    zeros to ``out`` gives ``dP'_ij = dP_ij + dlse_i`` and leaves ``D`` as it
+    was: the library's backward (any engine) then returns the gradients of
+    both outputs. Costs a copy of ``v``, ``dout`` and ``out``.
+    """
+    ones = torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)
+    g = torch.zeros(out.shape[:-1], dtype=out.dtype, device=out.device) if dlse is None else \
+        dlse.to(out.dtype)
+    return (torch.cat([v, ones], dim=-1), torch.cat([dout, g[..., None]], dim=-1),
+            torch.cat([out, torch.zeros_like(g)[..., None]], dim=-1))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
+              key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
+              return_lse: bool = False, progress: Any = None, details: dict | None = None,
+              **options: Any) -> Any:
+    """Exact attention over a sequence sharded across ranks, differentiable by torch's autograd.
+
+    :func:`mpiattn.attention` on tensors: the same keywords, the same result,
+    and a backward that is :func:`mpiattn.attention_backward`.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, H, n_r, E)
+        This rank's query rows (contiguous; float16, bfloat16, float32 or
+        float64; CPU, or CUDA for float16/32/64).
+    k : torch.Tensor, shape (B, Hkv, m_r, E)
+        This rank's key rows, same device and dtype.
+    v : torch.Tensor, shape (B, Hkv, m_r, Ev)
+        This rank's value rows, same device and dtype.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default ``MPI.COMM_WORLD``.
+    key_padding_mask : bool tensor or ndarray, shape (B, m_r), optional
+        True marks padding keys.
+    segment_ids, kv_segment_ids : integer tensor or ndarray, optional
+        Document ids ``(B, n_r)``, ``(B, m_r)`` (see :func:`mpiattn.attention`).
+    return_lse : bool
+        Also return ``lse`` (differentiable: its gradient joins the backward).
+    progress, details
+        As in :func:`mpiattn.attention` (``details`` is filled by the forward).
+    **options
+        The fields of :class:`mpiattn.Options` (``causal``, ``scale``,
+        ``window``, ``layout``, ``kv_layout``, ``strategy``, ``engine``,
+        ``block_size``, ``check_finite``) or ``options=``.
+
+    Returns
+    -------
+    out : torch.Tensor, shape (B, H, n_r, Ev)
+        In q's dtype and on its device, on memory the library allocated (no
+        copy).
+    lse : torch.Tensor, shape (B, H, n_r)
+        Only with ``return_lse``: float32 (float64 for float64 inputs),
+        differentiable (``d lse_i / d score_ij`` is the probability; the
+        backward then works on ``v`` with one more column, a copy).
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank alike: non-tensor or non-contiguous operands, mixed
+        devices or dtypes, a mask or ids tensor that requires grad, ranks
+        that disagree on which operands require grad, and everything
+        :func:`mpiattn.attention` rejects.
+
+    Notes
+    -----
+    Collective forward and backward (see the module notes). bfloat16
+    accumulates in float32, as float16 does.
+
+    Examples
+    --------
+    >>> import torch, mpiattn.torch as mt
+    >>> q = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    >>> out = mt.attention(q, q, q, causal=True)
+    >>> out.shape
+    torch.Size([1, 2, 5, 4])
+    >>> bool(torch.allclose(out[:, :, 0], q[:, :, 0]))   # query 0 sees key 0 only
+    True
+    >>> out.sum().backward(); q.grad.shape
+    torch.Size([1, 2, 5, 4])
+    """
+    c = get_comm(comm)
+    ids = _agree(c, {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
+                                                 "segment_ids": segment_ids,
+                                                 "kv_segment_ids": kv_segment_ids},
+                 {"return_lse": bool(return_lse)})
+    lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v))
+    call = _Call(c, dict(options, **ids), details, progress, lse_grad)
+    out, lse = _Attention.apply(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------ the products
+def _product(forward: Callable, backward: Callable) -> type:
+    class _Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, call: _Call) -> torch.Tensor:
+            with on_device(a.device):
+                out = to_tensor(forward(to_array(a), to_array(b), call.comm, **call.keywords))
+            ctx.save_for_backward(a, b)
+            ctx.call = call
+            return out
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx: Any, dc: torch.Tensor) -> tuple:
+            a, b = ctx.saved_tensors
+            dc = dc.to(a.dtype).contiguous()
+            with on_device(a.device):
+                da, db = backward(to_array(dc), to_array(a), to_array(b), ctx.call.comm,
+                                  **ctx.call.keywords)
+                return to_tensor(da), to_tensor(db), None
+
+    return _Product
+
+
+_NT = _product(products.matmul_nt, products.matmul_nt_backward)
+_NN = _product(products.matmul_nn, products.matmul_nn_backward)
+_TN = _product(products.matmul_tn, products.matmul_tn_backward)
+
+
+def _run(fn: type, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
+         block_size: int | None) -> torch.Tensor:
+    c = get_comm(comm)
+    _agree(c, {"a": a, "b": b})
+    return fn.apply(a, b, _Call(c, {"layout": layout, "block_size": block_size}))
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",
+              block_size: int | None = None) -> torch.Tensor:
+    """This rank's rows of ``A·Bᵀ`` (:func:`mpiattn.matmul_nt`), differentiable.
+
+    Parameters
+    ----------
+    a : torch.Tensor, shape (..., n_r, d)
+    b : torch.Tensor, shape (..., m_r, d)
+        This rank's rows of A and B (contiguous, one device and dtype).
+    comm, layout, block_size
+        As in :func:`mpiattn.matmul_nt`.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n_r, M)
+        Its backward: ``dA = nn(dC, B)``, ``dB = tn(dC, A)``
+        (:func:`mpiattn.matmul_nt_backward`).
+
+    Examples
+    --------
+    >>> import torch, mpiattn.torch as mt
+    >>> a = torch.ones(3, 2, dtype=torch.float64)
+    >>> mt.matmul_nt(a, a)
+    tensor([[2., 2., 2.],
+            [2., 2., 2.],
+            [2., 2., 2.]], dtype=torch.float64)
+    """
+    return _run(_NT, a, b, comm, layout, block_size)
+
+
+def matmul_nn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",
+              block_size: int | None = None) -> torch.Tensor:
+    """This rank's rows of ``A·B`` (:func:`mpiattn.matmul_nn`), differentiable.
+
+    Parameters
+    ----------
+    a : torch.Tensor, shape (..., n_r, M)
+        This rank's rows of A, all ``M`` columns.
+    b : torch.Tensor, shape (..., m_r, d)
+        This rank's rows of B.
+    comm, layout, block_size
+        As in :func:`mpiattn.matmul_nn`.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n_r, d)
+        Its backward: ``dA = nt(dC, B)``, ``dB = tn(A, dC)``.
+    """
+    return _run(_NN, a, b, comm, layout, block_size)
+
+
+def matmul_tn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",
+              block_size: int | None = None) -> torch.Tensor:
+    """This rank's rows of ``Aᵀ·B`` (:func:`mpiattn.matmul_tn`), differentiable.
+
+    Parameters
+    ----------
+    a : torch.Tensor, shape (..., m_r, N)
+        This rank's rows of A (M x N).
+    b : torch.Tensor, shape (..., m_r, d)
+        This rank's rows of B (M x d).
+    comm, layout, block_size
+        As in :func:`mpiattn.matmul_tn`.
+
+    Returns
+    -------
+    torch.Tensor, shape (..., n_r, d)
+        This rank's rows of the ``N x d`` result. Its backward:
+        ``dA = nt(B, dC)``, ``dB = nn(A, dC)``.
+    """
+    return _run(_TN, a, b, comm, layout, block_size)
