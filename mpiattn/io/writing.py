@@ -201,6 +201,11 @@ def _write_parallel(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
     """
     import h5py
 
+    # Every rank meets here first, in an MPI call that releases Python's GIL. h5py holds the
+    # GIL inside HDF5's collective calls (the mpio driver's MPI_Comm_dup, the create, the
+    # close): a rank waiting there for a rank that a signal has stopped would keep its own
+    # signal thread from ever aborting the job (seen with Debian's MPICH 4.0.2).
+    c.barrier()
     with c.abort_on_error():
         f = h5py.File(tmp, "w-", driver="mpio", comm=c.mpi)
         try:
