@@ -12,7 +12,7 @@ from .. import __version__
 from ..kernels import engines
 from ..masks import ALIGNMENTS, check_causal
 from ..strategies import machines, registry
-from . import calibrate, plan
+from . import calibrate, inference, plan
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
@@ -228,6 +228,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            "in a directory (never those of live ones)")
     clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
     clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+    inference.add_arguments(sub, _positive_int, _window)
 
     pl = sub.add_parser("plan", help="predict every strategy's time, traffic and memory for a "
                         "problem on a machine, and show what auto picks (runs nothing)")

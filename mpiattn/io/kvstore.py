@@ -90,7 +90,8 @@ def _meta(path: str) -> dict:
         B, Hkv, M, E = shapes["k"]
         return {"B": B, "Hkv": Hkv, "M": M, "E": E, "Ev": shapes["v"][3], "dtype": dtypes["k"].str,
                 "page": page, "attrs": attrs, "identity": identity(f),
-                "extra": sorted(set(f.keys()) - {"k", "v"})}
+                "extra": {name: tuple(int(x) for x in f[name].shape) for name in sorted(f.keys())
+                          if name not in ("k", "v") and hasattr(f[name], "shape")}}
 
 
 def read_cache_meta(c: Comm, path: str) -> dict:
@@ -101,7 +102,7 @@ def read_cache_meta(c: Comm, path: str) -> dict:
     dict
         ``B, Hkv, M, E, Ev`` (int), ``dtype`` (str), ``page`` (int),
         ``attrs`` (the root attributes), ``identity`` (the file read),
-        ``extra`` (names of other datasets).
+        ``extra`` (the other datasets' shapes, by name).
 
     Raises
     ------
@@ -112,8 +113,10 @@ def read_cache_meta(c: Comm, path: str) -> dict:
     return on_rank0(c, lambda: _meta(os.path.abspath(path)))
 
 
-def read_cache_rows(c: Comm, path: str, meta: dict, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Positions ``start:stop`` of ``k`` and ``v`` (every rank its own range; collective).
+def read_cache_rows(c: Comm, path: str, meta: dict, start: int, stop: int,
+                    names: tuple = ("k", "v"), axis: int = 2) -> tuple:
+    """Positions ``start:stop`` (along ``axis``) of the datasets ``names`` (every rank its own
+    range; collective), as C-contiguous NumPy arrays in native byte order.
 
     Every rank checks it opened the file :func:`read_cache_meta` checked
     (device, inode, size, modification time). Raises the same error on every
@@ -127,12 +130,13 @@ def read_cache_rows(c: Comm, path: str, meta: dict, start: int, stop: int) -> tu
                 if tuple(identity(f)) != tuple(meta["identity"]):
                     raise ValueError(f"the cache {path} changed while it was being read; nothing "
                                      "was loaded")
-                out = (f["k"][:, :, start:stop], f["v"][:, :, start:stop])
+                cut = (slice(None),) * axis + (slice(start, stop),)
+                out = tuple(np.ascontiguousarray(f[name][cut],
+                                                 dtype=np.dtype(f[name].dtype).newbyteorder("="))
+                            for name in names)
         except (OSError, KeyError, RuntimeError) as exc:
             raise ValueError(f"cannot read the cache {path} (damaged or truncated?): {exc}") from None
-        dt = np.dtype(meta["dtype"])
-        out = tuple(np.ascontiguousarray(x, dtype=dt) for x in out)
-    return out  # type: ignore[return-value]
+    return out
 
 
 def read_replicated(c: Comm, path: str, names: tuple, optional: tuple = ()) -> dict:
