@@ -184,3 +184,19 @@ def test_bad_decode_inputs_fail_alike_on_every_rank(comm):
     assert "(B, Hkv, t, 6)" in _errors(comm, lambda: cache.append(K[:, :, :1], K[:, :, :1]))
     assert cache.length == 20  # nothing was appended
     assert "engine" in _errors(comm, lambda: cache.attend(Q[:, :, -1:], engine="nope"))
+
+
+def test_decode_suite_smoke(serial_only, tmp_path):
+    """The decode suite runs at a tiny size and records its step, merge share and memory bound."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run([sys.executable, "-m", "mpiattn.bench.decode", "--cache", "2048", "--repeats", "2",
+                        "--page", "256", "--heads", "4", "--kv-heads", "2", "--dim", "16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["P"] == 1 and rec["step_ms"] > 0 and len(rec["step_ms_all"]) == 2
+    assert 0 <= rec["merge_share"] < 1 and rec["cache_mib_per_rank"] <= rec["bound_mib"]
+    assert "decode P=1 cache=2048" in p.stdout and "blas" in p.stdout
