@@ -35,6 +35,7 @@ _EXPORTS = {
     "AttentionSpec": "strategies",
     "MultiheadAttention": "layer",
     "get_comm": "comm",
+    "KVCache": "inference",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import backend
 from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
-from .masks.spec import check_window
+from .masks.spec import check_causal, check_window, diagonal
 
 __all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens",
            "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
@@ -96,13 +96,14 @@ def _segments_2d(segment_ids: Any, n: int) -> np.ndarray | None:
     return seg.astype(np.int64, copy=False)
 
 
-def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: Any = None) -> np.ndarray:
+def row_work(n: int, *, causal: bool | str = False, window: Any = None, segment_ids: Any = None,
+             m: int | None = None) -> np.ndarray:
     """Visible keys of every query row of self-attention over ``n`` rows, summed over the batch.
 
     Parameters
     ----------
     n : int
-    causal, window, segment_ids
+    causal, window, segment_ids, m
         As in :func:`balance`.
 
     Returns
@@ -116,8 +117,10 @@ def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: A
     ``O(B n)`` memory.
     """
     n = operator.index(n)
-    jlo, jhi = _band(n, causal, window)
+    jlo, jhi = _band(n, causal, window, m)
     seg = _segments_2d(segment_ids, n)
+    if seg is not None and m is not None and m != n:
+        raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
     if seg is None:
         return np.maximum(jhi - jlo + 1, 0)
     out = np.zeros(n, dtype=np.int64)
@@ -134,19 +137,25 @@ def row_work(n: int, *, causal: bool = False, window: Any = None, segment_ids: A
     return out
 
 
-def _band(n: int, causal: bool, window: Any) -> tuple[np.ndarray, np.ndarray]:
-    """For every query row ``i``: the keys ``jlo[i]..jhi[i]`` that causal and the window allow."""
+def _band(n: int, causal: Any, window: Any, m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """For every query row ``i``: the keys ``jlo[i]..jhi[i]`` (of ``m``, default ``n``) that
+    causal (aligned top-left or bottom-right) and the window allow."""
+    m = n if m is None else operator.index(m)
+    if m < 0:
+        raise ValueError(f"m must be >= 0 key rows, got {m}")
+    causal = check_causal(causal)
     w = check_window(window)
     left, right = w if w is not None else (None, None)
-    lo = -n if left is None else -left
-    hi = n if right is None else right
+    lo = -(n + m) if left is None else -left
+    hi = n + m if right is None else right
     if causal:
         hi = min(hi, 0)
-    i = np.arange(n, dtype=np.int64)
-    return np.maximum(i + lo, 0), np.minimum(i + hi, n - 1)
+    d = diagonal(causal, n, m)
+    i = np.arange(n, dtype=np.int64) + d
+    return np.maximum(i + lo, 0), np.minimum(i + hi, m - 1)
 
 
-def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int) -> np.ndarray:
+def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int, nkb: int | None = None) -> np.ndarray:
     """Per query block: how many distinct key blocks the intervals ``bl[k]..br[k]`` of its rows touch.
 
     Sorted by (query block, start), an interval adds the blocks past the
@@ -155,7 +164,7 @@ def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int) -> np.n
     """
     order = np.lexsort((bl, qb))
     qb, bl, br = qb[order], bl[order], br[order]
-    shift = qb * (nb + 1)  # larger than any end of an earlier query block: the running max restarts
+    shift = qb * (max(nb, nkb or 0) + 1)  # above any end of an earlier query block: the max restarts
     run = np.maximum.accumulate(br + shift) - shift
     prev = np.full(qb.size, -1, dtype=np.int64)
     same = qb[1:] == qb[:-1]
@@ -164,8 +173,8 @@ def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int) -> np.n
     return np.bincount(qb, weights=new, minlength=nb).astype(np.int64)
 
 
-def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = None,
-              segment_ids: Any = None) -> np.ndarray | None:
+def tile_work(n: int, block_size: int, *, causal: bool | str = False, window: Any = None,
+              segment_ids: Any = None, m: int | None = None) -> np.ndarray | None:
     """Visible tiles of every block of ``block_size`` query rows, summed over the batch.
 
     Tiles are the global blocks ``[a T, (a + 1) T) x [b T, (b + 1) T)``
@@ -177,7 +186,7 @@ def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = No
     n : int
     block_size : int
         ``T``, the kernels' tile rows, ``>= 1``.
-    causal, window, segment_ids
+    causal, window, segment_ids, m
         As in :func:`balance`.
 
     Returns
@@ -197,8 +206,11 @@ def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = No
     if T is None:
         raise TypeError("tile_work: block_size must be a positive integer, got None")
     nb = -(-n // T) if n else 0
-    jlo, jhi = _band(n, causal, window)
+    jlo, jhi = _band(n, causal, window, m)
     seg = _segments_2d(segment_ids, n)
+    if seg is not None and m is not None and m != n:
+        raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
+    nkb = -(-(n if m is None else operator.index(m)) // T)
     rows = [None] if seg is None else list(seg)
     out = np.zeros(nb, dtype=np.int64)
     i = np.arange(n, dtype=np.int64)
@@ -214,12 +226,12 @@ def tile_work(n: int, block_size: int, *, causal: bool = False, window: Any = No
             lo, hi = np.maximum(jlo, starts[run]), np.minimum(jhi, stops[run])
         keep = lo <= hi
         if keep.any():
-            out += _new_blocks(i[keep] // T, lo[keep] // T, hi[keep] // T, nb)
+            out += _new_blocks(i[keep] // T, lo[keep] // T, hi[keep] // T, nb, nkb)
     return out
 
 
-def rank_work(layout: Any, n: int, size: int, *, causal: bool = False, window: Any = None,
-              segment_ids: Any = None) -> np.ndarray:
+def rank_work(layout: Any, n: int, size: int, *, causal: bool | str = False, window: Any = None,
+              segment_ids: Any = None, m: int | None = None) -> np.ndarray:
     """Visible pairs of every rank's query rows under ``layout`` (the quantity :func:`balance` balances).
 
     Returns
@@ -227,7 +239,7 @@ def rank_work(layout: Any, n: int, size: int, *, causal: bool = False, window: A
     numpy.ndarray, shape (size,), int64
     """
     check_layout(layout)
-    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids)
+    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids, m=m)
     return np.array([int(w[positions(s)].sum()) for s in all_segments(n, size, layout)], dtype=np.int64)
 
 
@@ -304,8 +316,8 @@ def _linear(prefix: np.ndarray, n: int, size: int) -> tuple[list, int]:
     return ranges, max(int(prefix[c[r + 1]] - prefix[c[r]]) for r in range(size))
 
 
-def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
-            segment_ids: Any = None, block_size: int | None = None) -> Layout:
+def balance(n: int, size: int, *, causal: bool | str = False, window: Any = None,
+            segment_ids: Any = None, block_size: int | None = None, m: int | None = None) -> Layout:
     """A layout of ``n`` rows over ``size`` ranks with an equal share of visible pairs on every rank.
 
     Parameters
@@ -314,10 +326,12 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
         Rows (self-attention: queries and keys share the layout), ``n >= 0``.
     size : int
         Ranks, ``size >= 1``.
-    causal : bool
-        Key ``j`` visible to query ``i`` only if ``j <= i``.
+    causal : bool or {"top-left", "bottom-right"}
+        Key ``j`` visible to query ``i`` only if ``j <= i`` (True, top-left),
+        or ``j <= i + m - n`` (``"bottom-right"``).
     window : (left, right), optional
-        Only keys ``i - left <= j <= i + right`` (None: unbounded side).
+        Only keys ``i - left <= j <= i + right`` (None: unbounded side; measured
+        from ``i + m - n`` for bottom-right causal).
     segment_ids : integer array_like, shape (N,) or (B, N), optional
         Document ids; with ``(B, N)`` the work of every batch entry counts.
     block_size : int, optional
@@ -327,6 +341,11 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
         visible tiles (:func:`tile_work`) and every range starts and ends at
         a multiple of ``block_size`` (or at ``n``); None (default): the
         visible pairs (:func:`row_work`), ranges cut at any row.
+    m : int, optional
+        Key rows, when the ``n`` queries attend ``m != n`` keys (a chunk of
+        queries against a longer sequence, bottom-right causal); default
+        ``n``. Only the queries' layout is returned; ``segment_ids`` need
+        ``m == n``.
 
     Returns
     -------
@@ -372,7 +391,7 @@ def balance(n: int, size: int, *, causal: bool = False, window: Any = None,
         raise ValueError(f"balance needs size >= 1 ranks, got {size}")
     if n < 0:
         raise ValueError(f"balance needs n >= 0 rows, got {n}")
-    kw = dict(causal=causal, window=window, segment_ids=segment_ids)
+    kw = dict(causal=causal, window=window, segment_ids=segment_ids, m=m)
     if block_size is None:
         unit, w = 1, row_work(n, **kw)
     else:

@@ -116,9 +116,15 @@ def install_fake_cupy(monkeypatch, **kw):
 
 
 def visible_matrix(B, N, M, causal=False, window=None, seg_q=None, seg_k=None, pad=None):
-    """(B, N, M) bool: key j visible to query i, every rule written out on its own."""
+    """(B, N, M) bool: key j visible to query i, every rule written out on its own.
+
+    ``causal``: False, True / "top-left" (``j <= i``) or "bottom-right"
+    (``j <= i + M - N``); the window is measured from the same diagonal.
+    """
     i = np.arange(N)[:, None]
     j = np.arange(M)[None, :]
+    if causal == "bottom-right":  # query i stands where key i + M - N stands
+        i = i + (M - N)
     vis = np.ones((B, N, M), dtype=bool)
     if causal:
         vis &= (j <= i)[None]

@@ -21,13 +21,14 @@ registries, the timer :class:`mpiattn.timing.Timer`, the inputs
 ``derive``, ``report``, ``plot``
     derived numbers (ceiling fractions, fraction of ideal, scaling,
     targets), the table, the PNGs;
-``gpu``, ``masks``
-    the GPU suite (``python -m mpiattn.bench.gpu``) and the masks suite
-    (``python -m mpiattn.bench.masks``);
+``gpu``, ``masks``, ``decode``
+    the GPU suite (``python -m mpiattn.bench.gpu``), the masks suite
+    (``python -m mpiattn.bench.masks``) and the decode suite
+    (``python -m mpiattn.bench.decode``);
 ``app``
     the options, the launch loop and everything ``python -m mpiattn bench``
     prints. Besides it only the ``main`` entry points of ``report``, ``plot``,
-    ``gpu`` and ``masks`` print; the modules below hand back records and
+    ``gpu``, ``masks`` and ``decode`` print; the modules below hand back records and
     take a ``log`` callback.
 
 The CLI imports this package only for its ``bench`` command and calls

@@ -93,7 +93,7 @@ def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
         for name, (shape, axis) in spec.datasets().items():
             segs = all_segments(shape[axis], c.size, "contiguous")[c.rank]
             rows[name] = io.Rows(datagen.local_rows(spec, name, segs), shape[axis], axis)
-    attrs = {"causal": bool(causal), "scale": scale, "generator": "mpiattn make-data",
+    attrs = {"causal": causal if causal == "bottom-right" else bool(causal), "scale": scale, "generator": "mpiattn make-data",
              "mpiattn_version": __version__, "seed": spec.seed, "padding": spec.padding,
              "docs": spec.docs or None,
              "window": None if window is None else [-1 if w is None else w for w in window],

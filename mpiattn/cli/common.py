@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from ..io import Outputs
+from ..masks import ALIGNMENTS
 
 
 #: Output of ``python -m mpiattn`` with no arguments (in the current directory).
@@ -39,7 +40,21 @@ def world_rank() -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`UsageError` and prints help on rank 0 only."""
+    """argparse that raises :class:`UsageError` and prints help on rank 0 only.
+
+    ``--causal`` takes an optional alignment (``--causal bottom-right``); a
+    word after it that is not an alignment is left to the next argument
+    (``run --causal in.h5 -o out.h5`` reads ``in.h5`` as the input).
+    """
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if args is not None:
+            args = list(args)
+            for i, word in enumerate(args[:-1]):
+                after = args[i + 1]
+                if word == "--causal" and not after.startswith("-") and after not in ALIGNMENTS:
+                    args[i] = "--causal=top-left"
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{self.prog}: error: {message}", self.format_usage())

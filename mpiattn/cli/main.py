@@ -1,4 +1,5 @@
-"""Command line: ``python -m mpiattn [example | run | make-data | info | clean | plan | calibrate | bench]``.
+"""Command line: ``python -m mpiattn [example | run | make-data | info | clean | plan | calibrate |
+prefill | decode | bench]``.
 
 Every rank parses the same ``argv`` and runs the same sequence of collective
 steps; only rank 0 prints (a progress bar on terminals, progress lines
@@ -37,6 +38,7 @@ from ..comm.errors import Agreed
 from ..comm.node import OversubscriptionWarning
 from .calibrate import cmd_calibrate
 from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
+from .inference import cmd_decode, cmd_prefill
 from .plan import cmd_plan
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
@@ -44,7 +46,7 @@ from .quiet import QuietReleases
 from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
-_WORKING = ("example", "run", "make-data", "info", "calibrate")
+_WORKING = ("example", "run", "make-data", "info", "calibrate", "prefill", "decode")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +120,8 @@ def _main(args: Any, con: Console) -> int:
                     warnings.simplefilter("ignore", OversubscriptionWarning)
             return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
                     "info": cmd_info, "clean": cmd_clean, "plan": cmd_plan,
-                    "calibrate": cmd_calibrate}[args.command](args, con)
+                    "calibrate": cmd_calibrate, "prefill": cmd_prefill,
+                    "decode": cmd_decode}[args.command](args, con)
     except UsageError as exc:
         con.error(str(exc))
         return 2

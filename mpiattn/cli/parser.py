@@ -10,8 +10,9 @@ import math
 
 from .. import __version__
 from ..kernels import engines
+from ..masks import ALIGNMENTS, check_causal
 from ..strategies import machines, registry
-from . import calibrate, plan
+from . import calibrate, inference, plan
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
 
 
@@ -65,6 +66,13 @@ def _fraction(text: str) -> float:
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
+
+
+def causal_alignment(text: str) -> bool | str:
+    """An argparse type: ``top-left`` (True) or ``bottom-right`` (:data:`mpiattn.masks.ALIGNMENTS`)."""
+    if text not in ALIGNMENTS:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(ALIGNMENTS)}, got {text!r}")
+    return check_causal(text)
 
 
 def _strategy(text: str) -> str:
@@ -160,8 +168,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("input", help="HDF5 file with q, k, v [, dout, key_padding_mask]")
     run.add_argument("-o", "--output", required=True, help="HDF5 file to write")
     causal = run.add_mutually_exclusive_group()
-    causal.add_argument("--causal", dest="causal", action="store_true", default=None,
-                        help="causal attention (default: the input's 'causal' attribute, else off)")
+    causal.add_argument("--causal", dest="causal", nargs="?", const=True, default=None,
+                        type=causal_alignment, metavar="ALIGN",
+                        help="causal attention, top-left (the default alignment: query i sees "
+                             "keys j <= i) or bottom-right (j <= i + M - N); default: the "
+                             "input's 'causal' attribute, else off")
     causal.add_argument("--no-causal", dest="causal", action="store_false")
     run.add_argument("--window", type=_window, default=None, metavar="L,R",
                      help="sliding window: query i sees keys i-L..i+R (none = unbounded side; "
@@ -201,7 +212,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="add segment_ids: packed documents of this mean length (needs --kv-seq = --seq)")
     mk.add_argument("--window", type=_window, default=None, metavar="L,R",
                     help="set the file's window attribute")
-    mk.add_argument("--causal", action="store_true", help="set the file's causal attribute")
+    mk.add_argument("--causal", nargs="?", const=True, default=False, type=causal_alignment,
+                    metavar="ALIGN", help="set the file's causal attribute (top-left or "
+                                          "bottom-right; alone: top-left)")
     mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
     mk.add_argument("--seed", type=_seed, default=0)
     mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
@@ -215,6 +228,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            "in a directory (never those of live ones)")
     clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
     clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+    inference.add_arguments(sub, _positive_int, _window)
 
     pl = sub.add_parser("plan", help="predict every strategy's time, traffic and memory for a "
                         "problem on a machine, and show what auto picks (runs nothing)")

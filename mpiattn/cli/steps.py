@@ -22,7 +22,7 @@ from ..comm import errors
 from ..comm.core import get_comm
 from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_attention, dense_nbytes
-from ..masks import MaskSpec
+from ..masks import MaskSpec, diagonal
 from ..sharding import gather
 from ..strategies import AttentionSpec, Options, attention, attention_backward, registry
 from .check import check_errors
@@ -211,7 +211,8 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
     found = None
     if c.rank == 0:
         ref = dense_attention(g["q"], g["k"], g["v"], g.get("dout") if "dq" in results else None,
-                              mask=MaskSpec(o.causal, o.window), scale=o.scale,
+                              mask=MaskSpec(bool(o.causal), o.window, diagonal=diagonal(
+                                  o.causal, g["q"].shape[-2], g["k"].shape[-2])), scale=o.scale,
                               key_padding_mask=g.get("key_padding_mask"),
                               segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"))
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
@@ -226,6 +227,10 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
     return f"max error vs float64 (scaled by the operands): {text} (tolerance {tol:g}) OK"
 
 
+def _causal_label(causal: Any) -> str:
+    return "causal bottom-right" if causal == "bottom-right" else "causal" if causal else "non-causal"
+
+
 def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: Any,
             st: Settings, backward: bool) -> None:
     """The report's first lines: what runs, on what, how."""
@@ -235,7 +240,7 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
     o = st.options
     scale = o.scale if o.scale is not None else f"1/sqrt({inp.q.shape[3]})"
     con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
-            f"{'causal' if o.causal else 'non-causal'}, {c.size} rank(s) on {len(set(hosts))} host(s)")
+            f"{_causal_label(o.causal)}, {c.size} rank(s) on {len(set(hosts))} host(s)")
     con.say(f"  input    {path}")
     con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
             + (f" + {', '.join(extras)}" if extras else ""))
@@ -321,7 +326,8 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None,
     N, M = shapes["q"][2], shapes["k"][2]
     with errors.alike():  # on data every rank holds
         lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids,
-                      block_size=args.block_size or DEFAULT_TILE)
+                      block_size=args.block_size or DEFAULT_TILE,
+                      m=M if causal == "bottom-right" else None)
     return lay, (lay if M == N else "contiguous")
 
 
@@ -341,7 +347,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
             raise ValueError(f"the output {output} is the input file")
     prepare_output(c, con, output, force)  # before any computing
     meta = io.read_meta(path, c)
-    causal = args.causal if getattr(args, "causal", None) is not None else bool(meta["causal"])
+    causal = args.causal if getattr(args, "causal", None) is not None else (meta["causal"] or False)
     window = getattr(args, "window", None)
     window = meta["window"] if window is None else window
     layout, kv_layout = _layouts(c, args, path, causal, window, meta)

@@ -22,6 +22,7 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
+from ..masks.spec import ALIGNMENTS, check_causal
 from .atomic import on_rank0
 from .hdf5types import BFLOAT16, bfloat16_dtype, is_bfloat16_type
 from .paths import missing
@@ -66,7 +67,8 @@ class Inputs:
         Dataset name -> number of dimensions in the file (2-D and 3-D arrays
         are promoted to 4-D by adding leading axes of length 1).
     causal, scale
-        The file's ``causal`` and ``scale`` attributes (None when absent).
+        The file's ``causal`` (False, True or ``"bottom-right"``) and ``scale``
+        attributes (None when absent).
     layout : str
     info : dict
         :func:`file_info` of the input file.
@@ -81,7 +83,7 @@ class Inputs:
     n: int
     m: int
     stored_ndim: dict = field(default_factory=dict)
-    causal: bool | None = None
+    causal: bool | str | None = None
     scale: float | None = None
     layout: Any = "contiguous"
     info: dict = field(default_factory=dict)
@@ -290,14 +292,18 @@ def _read_meta(path: str) -> dict:
             "causal": causal, "scale": scale, "window": window}
 
 
-def _causal_attribute(path: str, value: Any) -> bool | None:
-    """The ``causal`` attribute: a boolean (or the integer 0 or 1), else ValueError."""
+def _causal_attribute(path: str, value: Any) -> bool | str | None:
+    """The ``causal`` attribute: a boolean (or the integer 0 or 1), or an alignment
+    (``"top-left"``, i.e. True, or ``"bottom-right"``), else ValueError."""
     if value is None:
         return None
     plain = _plain(value)
     if isinstance(plain, bool) or (isinstance(plain, int) and plain in (0, 1)):
         return bool(plain)
-    raise ValueError(f"{path}: attribute 'causal' must be a boolean, got {value!r}")
+    if isinstance(plain, str) and plain in ALIGNMENTS:
+        return check_causal(plain)
+    raise ValueError(f"{path}: attribute 'causal' must be a boolean, 'top-left' or 'bottom-right', "
+                     f"got {value!r}")
 
 
 def _scale_attribute(path: str, value: Any) -> float | None:

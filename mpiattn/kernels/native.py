@@ -69,6 +69,10 @@ __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "Backward
 #: Default tile edge (rows of queries x rows of keys) for the score block.
 DEFAULT_TILE = 512
 
+#: Folded query rows (queries x heads per key/value head) up to which a block is read in place,
+#: one GEMV-like pass over each key and value tile (:func:`_tile_few`, decode steps).
+FEW_ROWS = 16
+
 #: Lazy-rescale threshold (natural-log units): the running shift of a row
 #: moves only when a tile's scores exceed it by more than this.
 TAU = 8.0
@@ -267,10 +271,16 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     ws, dt = st.ws, st.qa.dtype
     lead = st.qa.shape[:2]
     n, nk = mask.q_pos.size, mask.k_pos.size
+    few = n * group <= FEW_ROWS  # decode: read each key once, in place (no tile copies)
     for j0 in _tiles(nk, tile):
         j1 = min(j0 + tile, nk)
         tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
         if tiles is None:
+            continue
+        if few:
+            kv = (k[..., j0:j1, :].astype(dt, copy=False), v[..., j0:j1, :].astype(dt, copy=False))
+            for i0, i1, r0, r1, vis in tiles:
+                _tile_few(xp, st, r0, r1, *kv, mask.bias(xp, i0, i1, j0, j1, dt, group, vis))
             continue
         kt = ws.transposed("kt", k, j0, j1, dt)
         vc = ws.with_ones("vc", v, j0, j1, dt)
@@ -315,6 +325,24 @@ def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: 
     xp.matmul(S, vc, out=pv)
     st.l[..., r0:r1] += pv[..., Ev]
     st.o[..., r0:r1, :] += pv[..., :Ev]
+
+
+def _tile_few(xp: Any, st: ForwardState, r0: int, r1: int, kc: Any, vc: Any, bias: Any) -> None:
+    """One score tile for a few query rows (decode): the key and value tiles are read in place
+    (no transposed copy; BLAS reads ``kc^T``), with the exact running maximum."""
+    E = st.qa.shape[-1] - 1
+    S = xp.matmul(st.qa[..., r0:r1, :E], kc.swapaxes(-1, -2))
+    if bias is not None:
+        S += bias
+    m_old = st.m[..., r0:r1]
+    m_new = xp.maximum(m_old, S.max(axis=-1))
+    base = xp.where(xp.isneginf(m_new), m_new.dtype.type(0), m_new)
+    alpha = xp.exp(m_old - base)  # 0 where nothing was seen before
+    S -= base[..., None]
+    xp.exp(S, out=S)
+    st.l[..., r0:r1] = alpha * st.l[..., r0:r1] + S.sum(axis=-1)
+    st.o[..., r0:r1, :] = alpha[..., None] * st.o[..., r0:r1, :] + xp.matmul(S, vc)
+    m_old[...] = m_new
 
 
 def finalize(st: ForwardState) -> tuple[Any, Any]:

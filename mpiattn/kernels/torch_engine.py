@@ -11,7 +11,9 @@ fused kernels serve at full speed, by the global positions of the rows:
   before ``a`` are visible to every query (one unmasked call); keys from
   ``max(a, c)`` on are top-left aligned with the queries from ``max(a, c)``,
   which is exactly torch's ``is_causal`` (one call); query rows before ``c``
-  see nothing (skipped).
+  see nothing (skipped). Bottom-right causal (diagonal ``d = M - N``) is the
+  same with the queries' positions moved by ``d``, so torch's top-left
+  ``is_causal`` serves it too.
 
 Each call returns its rows' ``(out, lse)``, merged into the running result
 with the overflow-safe log-sum-exp update. The backward makes the same calls
@@ -54,8 +56,9 @@ def runs(pos: np.ndarray) -> list[tuple[int, int]]:
 def _calls(mask: BlockMask) -> Iterator[tuple[int, int, int, int, bool]]:
     """The calls of one block: ``(i0, i1, j0, j1, causal_aligned)`` in local rows."""
     q_runs, k_runs = runs(mask.q_pos), runs(mask.k_pos)
+    shift = int(mask.diagonal)  # bottom-right: query i sits at key position i + shift
     for i0, i1 in q_runs:
-        a, b = int(mask.q_pos[i0]), int(mask.q_pos[i1 - 1]) + 1
+        a, b = int(mask.q_pos[i0]) + shift, int(mask.q_pos[i1 - 1]) + 1 + shift
         for j0, j1 in k_runs:
             c, d = int(mask.k_pos[j0]), int(mask.k_pos[j1 - 1]) + 1
             if not mask.causal:

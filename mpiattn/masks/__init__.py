@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 from .dense import visible
-from .spec import RULES, MaskSpec, check_window
+from .spec import ALIGNMENTS, RULES, MaskSpec, check_causal, check_window, diagonal
 from .tiles import BlockMask, QuerySide, block_mask, padding_bias
 
-__all__ = ["RULES", "MaskSpec", "check_window", "BlockMask", "QuerySide", "block_mask",
+__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal", "BlockMask", "QuerySide", "block_mask",
            "padding_bias", "visible"]

@@ -3,8 +3,9 @@
 Every rule is written in *global* positions (``i`` a query row, ``j`` a key
 row), so it holds whatever the layout, and all rules combine by AND::
 
-    causal:     j <= i                          (top-left aligned, torch's is_causal)
-    window:     i - left <= j <= i + right      (left or right None: unbounded side)
+    causal:     j <= i + d                      (d = 0 top-left, torch's is_causal;
+                                                 d = M - N bottom-right, FlashAttention >= 2.1)
+    window:     i + d - left <= j <= i + d + right   (aligned like causal; None: unbounded side)
     documents:  seg_q[b, i] == seg_k[b, j]      (per batch entry b)
     padding:    not pad[b, j]                   (per batch entry b)
 
@@ -22,10 +23,34 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RULES", "MaskSpec", "check_window"]
+__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal"]
 
 #: The mask rules, in the order :attr:`MaskSpec.rules` lists the active ones.
 RULES = ("causal", "window", "segments", "padding")
+
+#: How a causal mask is aligned when ``N != M``: ``top-left`` (query ``i`` sees keys
+#: ``j <= i``, torch's ``is_causal``) or ``bottom-right`` (``j <= i + M - N``: the last query
+#: sees every key, as FlashAttention >= 2.1, torch's ``causal_lower_right`` and every decode step).
+ALIGNMENTS = ("top-left", "bottom-right")
+
+
+def check_causal(causal: Any) -> bool | str:
+    """``causal`` as False, True (top-left) or ``"bottom-right"``.
+
+    Accepts a bool, ``"top-left"`` (the same as True) or ``"bottom-right"``;
+    raises TypeError for anything else.
+    """
+    if isinstance(causal, (bool, np.bool_)):
+        return bool(causal)
+    if isinstance(causal, str) and causal in ALIGNMENTS:
+        return True if causal == "top-left" else causal
+    raise TypeError(f"causal must be True, False, 'top-left' or 'bottom-right', got {causal!r}")
+
+
+def diagonal(causal: Any, n: int, m: int) -> int:
+    """The offset ``d`` of the rules' diagonal for ``n`` queries and ``m`` keys: ``m - n`` when
+    ``causal`` is ``"bottom-right"``, else 0 (query ``i`` is aligned with key ``i + d``)."""
+    return int(m) - int(n) if check_causal(causal) == "bottom-right" else 0
 
 
 def check_window(window: Any) -> tuple | None:
@@ -62,9 +87,9 @@ class MaskSpec:
     Attributes
     ----------
     causal : bool
-        Hide key ``j`` from query ``i`` when ``j > i``.
+        Hide key ``j`` from query ``i`` when ``j > i + diagonal``.
     window : (left, right) or None
-        As returned by :func:`check_window`.
+        As returned by :func:`check_window`; measured from ``i + diagonal``.
     segments : bool
         The queries carry document ids (``segment_ids``).
     kv_segments : bool
@@ -72,6 +97,10 @@ class MaskSpec:
         them they take the queries' ids.
     padding : bool
         A key padding mask is given.
+    diagonal : int
+        Query ``i`` is aligned with key ``i + diagonal`` (:func:`diagonal`:
+        0 top-left, ``M - N`` bottom-right); the causal and window rules are
+        measured from it.
     """
 
     causal: bool = False
@@ -79,9 +108,14 @@ class MaskSpec:
     segments: bool = False
     kv_segments: bool = False
     padding: bool = False
+    diagonal: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.causal, str):
+            raise TypeError("MaskSpec.causal is a bool; give an alignment as diagonal= "
+                            "(mpiattn.masks.diagonal(causal, N, M))")
         object.__setattr__(self, "causal", bool(self.causal))
+        object.__setattr__(self, "diagonal", int(self.diagonal))
         object.__setattr__(self, "window", check_window(self.window))
         if self.kv_segments and not self.segments:
             raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
@@ -103,4 +137,5 @@ class MaskSpec:
         left, right = self.window if self.window is not None else (None, None)
         lo = -np.inf if left is None else -float(left)
         hi = np.inf if right is None else float(right)
-        return lo, (min(hi, 0.0) if self.causal else hi)
+        d = float(self.diagonal)
+        return lo + d, (min(hi, 0.0) if self.causal else hi) + d

@@ -13,7 +13,8 @@ keys, is always applied as a bias and never makes a tile "none".
 How a tile is classified (cheap first, exact where it matters):
 
 * Causal and the window say that ``j - i`` must lie in ``[lo, hi]`` with
-  ``lo = -left`` and ``hi = min(right, 0 if causal)``. The tile's position
+  ``lo = d - left`` and ``hi = d + min(right, 0 if causal)`` (``d`` the
+  diagonal: 0 top-left, ``M - N`` bottom-right). The tile's position
   hulls ``[min, max]`` bound ``j - i``: outside ``[lo, hi]`` -> "none",
   inside -> "all".
 * Documents: per batch entry, each id's position hull on both sides
@@ -115,6 +116,9 @@ class BlockMask:
         A cache of the query side's tile summaries, shared by the masks of
         one call that have the same ``q_pos`` and ``q_seg`` (every key block
         of a ring); private to this mask when None.
+    diagonal : int
+        Query ``i`` is aligned with key ``i + diagonal`` (bottom-right causal:
+        ``M - N``); causal and the window are measured from it.
     """
 
     q_pos: np.ndarray
@@ -125,6 +129,7 @@ class BlockMask:
     q_seg: np.ndarray | None = None
     k_seg: np.ndarray | None = None
     q_summaries: dict | None = None
+    diagonal: int = 0
 
     def __post_init__(self) -> None:
         if (self.q_seg is None) != (self.k_seg is None):
@@ -132,9 +137,10 @@ class BlockMask:
         if self.window is not None and tuple(self.window) == (None, None):
             self.window = None
         left, right = self.window if self.window is not None else (None, None)
-        self._lo = -math.inf if left is None else -int(left)
+        d = int(self.diagonal)
+        self._lo = -math.inf if left is None else d - int(left)
         hi = math.inf if right is None else int(right)
-        self._hi = min(hi, 0) if self.causal else hi
+        self._hi = (min(hi, 0) if self.causal else hi) + d
         self._pad_bias: dict = {}
         self._sides: dict = {}
         self._pairs: tuple | None = None  # ((i0, i1, j0, j1), host bool) of the last tile
@@ -319,4 +325,4 @@ def block_mask(mask: MaskSpec, queries: QuerySide, k_pos: np.ndarray, seg_k: np.
     """
     k_seg = None if seg_k is None or queries.q_seg is None else seg_k[:, k_pos]
     return BlockMask(queries.q_pos, k_pos, mask.causal, pad, mask.window, queries.q_seg, k_seg,
-                     queries.summaries)
+                     queries.summaries, mask.diagonal)

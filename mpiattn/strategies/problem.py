@@ -25,7 +25,7 @@ from ..comm.device import prepare
 from ..kernels import DEFAULT_TILE, engines
 from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
-from ..masks import MaskSpec, QuerySide
+from ..masks import MaskSpec, QuerySide, diagonal
 from ..masks.ids import global_rows, local_ids
 from . import machines, registry
 from .base import Strategy
@@ -153,7 +153,7 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
         ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
     if kv_segment_ids is not None:
         ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
-    mask_spec = MaskSpec(options.causal, options.window, segment_ids is not None,
+    mask_spec = MaskSpec(bool(options.causal), options.window, segment_ids is not None,
                          kv_segment_ids is not None, mask is not None)
     fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
     here = AttentionSpec(B, H, Hkv, E, Ev, n, m, np.dtype(q.dtype), xp.__name__,
@@ -225,7 +225,8 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
                 f"{describe(options.layout)} and {describe(kv_layout)}); pass kv_segment_ids")
         engine_name, engine_reason = _agree_engine([g["_engine"] for g in got], options.engine)
         tiles = [g["_tile"] for g in got if g["_tile"]]
-        spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None)
+        spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None,
+                       mask=replace(here.mask, diagonal=diagonal(options.causal, N, M)))
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
-from ..masks import MaskSpec, check_window
+from ..masks import MaskSpec, check_causal, check_window, diagonal
 
 __all__ = ["Options", "AttentionSpec"]
 
@@ -36,14 +36,18 @@ class Options:
 
     Attributes
     ----------
-    causal : bool
-        Key ``j`` is visible to query ``i`` iff ``j <= i`` (global indices,
-        top-left aligned as torch's ``is_causal``).
+    causal : bool or {"top-left", "bottom-right"}
+        Key ``j`` is visible to query ``i`` iff ``j <= i`` (global indices;
+        True is ``"top-left"``, torch's ``is_causal``), or with
+        ``"bottom-right"`` iff ``j <= i + M - N`` (the last query sees every
+        key: FlashAttention >= 2.1, decode). Stored as False, True or
+        ``"bottom-right"``.
     scale : float, optional
         Softmax scale, default ``1/sqrt(E)``.
     window : (left, right), optional
         Sliding window: key ``j`` is visible to query ``i`` only if
-        ``i - left <= j <= i + right``; each bound an int >= 0 or None.
+        ``i - left <= j <= i + right``; each bound an int >= 0 or None
+        (bottom-right causal: measured from ``i + M - N``).
     layout : {"contiguous", "zigzag"} or Layout
         Row layout of the queries (and of the keys, unless ``kv_layout``).
     kv_layout : str or Layout, optional
@@ -71,7 +75,7 @@ class Options:
         public calls check them inside their agreement, so every rank raises).
     """
 
-    causal: bool = False
+    causal: bool | str = False
     scale: float | None = None
     window: tuple | None = None
     layout: Any = "contiguous"
@@ -83,9 +87,7 @@ class Options:
     machine: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be True or False, got {self.causal!r}")
-        object.__setattr__(self, "causal", bool(self.causal))
+        object.__setattr__(self, "causal", check_causal(self.causal))
         scale = self.scale
         if scale is not None:
             if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) \
@@ -200,7 +202,8 @@ class AttentionSpec:
         o = Options() if options is None else options
         B, H, N, E = (int(x) for x in q)
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
-        mask = MaskSpec(o.causal, o.window, segments, kv_segments, padding)
+        mask = MaskSpec(bool(o.causal), o.window, segments, kv_segments, padding,
+                        diagonal(o.causal, N, M))
         return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device,
                    1.0 / math.sqrt(E) if o.scale is None else o.scale, mask, o.layout,
                    o.layout if o.kv_layout is None else o.kv_layout, o, fused)

@@ -45,7 +45,7 @@ class Case:
     M: int | None = None
     E: int = 8
     Ev: int | None = None
-    causal: bool = False
+    causal: bool | str = False
     window: tuple | None = None
     docs: bool = False
     pad: bool = False
@@ -83,6 +83,17 @@ BASE = [
     Case("documents-padding-bf16-gqa", "bfloat16", H=4, Hkv=2, docs=True, pad=True),
     Case("padding-gqa-bf16", "bfloat16", H=4, Hkv=2, pad=True, B=3, N=45, block=16),
     Case("cross-window-bf16", "bfloat16", N=29, M=41, Ev=5, window=(4, 2), kv_layout="explicit"),
+    # bottom-right causal (query i sees keys j <= i + M - N), windows measured from that diagonal
+    Case("bottom-right-short-f32", "float32", N=13, M=41, causal="bottom-right"),
+    Case("bottom-right-square-window-f64", "float64", N=37, causal="bottom-right", window=(6, 0),
+         layout="zigzag"),
+    Case("bottom-right-long-f64", "float64", N=41, M=23, causal="bottom-right", kv_layout="explicit"),
+    Case("bottom-right-short-window-f16-gqa", "float16", H=6, Hkv=2, N=9, M=50, E=16,
+         causal="bottom-right", window=(11, 2), block=8),
+    Case("bottom-right-long-window-f32", "float32", N=47, M=19, causal="bottom-right", window=(4, 1),
+         pad=True),
+    Case("bottom-right-balanced-f32", "float32", N=24, M=64, causal="bottom-right",
+         layout="balanced", kv_layout="contiguous", block=8),
 ]
 
 
@@ -186,6 +197,8 @@ def _layouts(case, P, seg):
             ranges = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
             return mpiattn.Layout([ranges[r::P][::-1] for r in range(P)])
         tiles = dict(block_size=case.block) if kind == "balanced-tiles" else {}
+        if case.causal == "bottom-right" and n == case.N:  # the queries of a longer key sequence
+            tiles["m"] = case.m
         return mpiattn.balance(n, P, causal=case.causal, window=case.window, segment_ids=seg, **tiles)
     lay = one(case.layout, case.N)
     return lay, (None if case.kv_layout is None else one(case.kv_layout, case.m))

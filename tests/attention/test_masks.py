@@ -303,17 +303,22 @@ def test_tiles_without_visible_pairs_are_never_computed(comm, monkeypatch, strat
     lay = make_layout(layout, N, P)
     vis = visible_matrix(B, N, N, kw.get("causal", False), kw.get("window"), seg, seg)
     calls, blocks = [0], [0]
-    real_tile, real_block = native._tile_generic, native.forward_block
+    real_tile, real_few, real_block = native._tile_generic, native._tile_few, native.forward_block
 
     def counting(*a, **k):
         calls[0] += 1
         return real_tile(*a, **k)
+
+    def counting_few(*a, **k):  # a few query rows (decode-sized shards): tiles read in place
+        calls[0] += 1
+        return real_few(*a, **k)
 
     def block(st, group, k, v, mask, *rest):
         blocks[0] += not mask.visible_pairs(0, mask.q_pos.size, 0, mask.k_pos.size).any()
         return real_block(st, group, k, v, mask, *rest)
 
     monkeypatch.setattr(native, "_tile_generic", counting)
+    monkeypatch.setattr(native, "_tile_few", counting_few)
     monkeypatch.setattr(native, "forward_block", block)
     Q, K, V, _ = case(1, B, H, Hkv, N)
     sh = lambda x: mpiattn.shard(x, layout=lay)  # noqa: E731

@@ -138,7 +138,8 @@ def test_only_the_entry_points_print():
             if calls:
                 printing.add(f"{os.path.basename(path)}:{getattr(fn, 'name', '<module>')}")
     assert printing == {"app.py:run", "app.py:_print_list", "app.py:log", "report.py:main", "plot.py:main",
-                        "gpu.py:main", "masks.py:main", "masks.py:emit"}  # emit: nested in masks.main
+                        "gpu.py:main", "masks.py:main", "masks.py:emit",  # emit: nested in masks.main
+                        "decode.py:main"}
 
 
 def test_masks_suite_smoke(serial_only):

@@ -308,3 +308,17 @@ def test_top_level_data_holds_the_same_example():
     assert os.path.isfile(copy), "data/example.h5 is missing: cp mpiattn/data/example.h5 data/"
     assert filecmp.cmp(copy, packaged, shallow=False), \
         "data/example.h5 differs from mpiattn/data/example.h5: cp mpiattn/data/example.h5 data/"
+
+
+def test_causal_takes_an_optional_alignment_before_the_input():
+    from mpiattn.cli.parser import build_parser
+
+    for argv, causal in ((["run", "--causal", "in.h5", "-o", "x.h5"], True),
+                         (["run", "--causal", "bottom-right", "in.h5", "-o", "x.h5"], "bottom-right"),
+                         (["run", "in.h5", "-o", "x.h5", "--causal"], True),
+                         (["run", "in.h5", "-o", "x.h5", "--causal=top-left"], True),
+                         (["run", "in.h5", "-o", "x.h5"], None)):
+        args = build_parser("run").parse_args(argv)
+        assert (args.input, args.causal) == ("in.h5", causal), argv
+    args = build_parser("plan").parse_args(["plan", "--seq", "64", "--heads", "2", "--dim", "8", "--causal"])
+    assert args.causal is True

@@ -1,0 +1,211 @@
+"""The inference commands: ``prefill`` (a prompt's attention and its key/value cache) and ``decode``.
+
+``mpiattn prefill INPUT -o CACHE.h5``
+    Attention over the prompt of ``INPUT`` (``q``, ``k``, ``v`` of one
+    length, causal; the input file's format of ``run``), then the prompt's
+    keys and values as a cache (:class:`mpiattn.KVCache`): ``CACHE.h5``
+    holds ``k``, ``v`` (the cache), ``out`` and ``lse`` (the prompt's
+    attention) and the cache's attributes, ``window`` and ``scale`` among
+    them (later decode steps use them unless told otherwise).
+``mpiattn decode CACHE.h5 --queries Q.h5 -o OUT.h5 [--append]``
+    Loads the cache at this run's rank count, attends the new queries
+    ``q (B, H, t, E)`` of ``Q.h5`` (bottom-right causal: they are the last
+    ``t`` positions, so with ``--append`` the keys and values ``k``, ``v`` of
+    ``Q.h5`` are appended first) and writes ``out``, ``lse`` to ``OUT.h5``.
+    With ``--append`` the grown cache then replaces ``CACHE.h5`` (its other
+    datasets carried over), so a sequence of decode runs extends one cache.
+
+The guarantees of ``run`` hold: errors are decided on every rank alike
+(exit 1), outputs are published atomically and a signal before the commit
+point leaves every earlier file as it was (``OUT.h5`` is published before
+the cache is replaced: a run stopped between them leaves the old cache, and
+running it again stops at the existing ``OUT.h5`` unless ``--force``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import __version__
+from .. import backend, gpu, io
+from ..comm import errors
+from ..inference import PAGE_ROWS, KVCache
+from ..io import kvstore
+from ..kernels import engines
+from ..layouts import Layout, all_segments
+from ..strategies import Options, attention
+from .common import Console
+from .steps import prepare_output, run_timer, select_device, world_comm
+
+__all__ = ["add_arguments", "cmd_prefill", "cmd_decode"]
+
+#: Attributes of a cache file that :meth:`mpiattn.KVCache.save` writes itself.
+_OWN = {"format", "format_version", "axes", "length", "page", "placement", "ranks", "rows_per_rank"}
+
+
+def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
+    """Add the ``prefill`` and ``decode`` sub-commands to the parser's ``sub``."""
+    pre = sub.add_parser("prefill", help="attention over a prompt, kept as a key/value cache file")
+    pre.add_argument("input", help="HDF5 file with the prompt's q, k, v (one length)")
+    pre.add_argument("-o", "--output", required=True, help="the cache file to write (k, v, out, lse)")
+    pre.add_argument("--window", type=window, default=None, metavar="L,R",
+                     help="sliding window (default: the input's 'window' attribute); kept in the cache")
+    pre.add_argument("--scale", type=float, default=None, help="softmax scale (default: the input's "
+                     "'scale' attribute, else 1/sqrt(E)); kept in the cache")
+    pre.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
+                     help="rows per rank for the prompt (default contiguous)")
+    pre.add_argument("--page", type=positive_int, default=PAGE_ROWS,
+                     help=f"rows per page of later appends (default {PAGE_ROWS})")
+    pre.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None)
+    _common(pre, positive_int)
+
+    dec = sub.add_parser("decode", help="new queries against a key/value cache file (and append them)")
+    dec.add_argument("cache", help="a cache file written by prefill (or by decode --append)")
+    dec.add_argument("--queries", required=True, help="HDF5 file with q (B, H, t, E) [, k, v]")
+    dec.add_argument("-o", "--output", required=True, help="HDF5 file to write (out, lse)")
+    dec.add_argument("--append", action="store_true",
+                     help="append the queries' k, v to the cache first, then replace the cache file")
+    dec.add_argument("--window", type=window, default=None, metavar="L,R",
+                     help="sliding window (default: the cache's 'window' attribute)")
+    dec.add_argument("--scale", type=float, default=None,
+                     help="softmax scale (default: the cache's 'scale' attribute, else 1/sqrt(E))")
+    _common(dec, positive_int)
+
+
+def _common(p: Any, positive_int: Callable) -> None:
+    p.add_argument("--engine", choices=engines.NAMES, default="auto", help="local kernels")
+    p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu",
+                   help="where to compute (default cpu)")
+    p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None)
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="BLAS threads per rank")
+    p.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+
+def _mover(c: Any, xp: Any) -> Callable:
+    return np.asarray if xp is np else (lambda a: gpu.upload(a, c))
+
+
+def _stamp(timer: Any) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"created": now, "mpiattn_version": __version__,
+            "command": " ".join(["mpiattn", *sys.argv[1:]]),
+            **{f"time_{k}_s": v for k, v in timer.times.items()}}
+
+
+def _not_same(c: Any, a: str, b: str, what: str) -> None:
+    with c.collective_errors():
+        if c.rank == 0 and os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
+            raise ValueError(f"the output {b} is the {what}")
+
+
+def cmd_prefill(args: Any, con: Console) -> int:
+    """``mpiattn prefill INPUT -o CACHE.h5`` (module docstring)."""
+    c = world_comm()
+    timer = run_timer(c, con)
+    _not_same(c, args.input, args.output, "input file")
+    prepare_output(c, con, args.output, args.force)
+    meta = io.read_meta(args.input, c)
+    shapes = meta["shapes"]
+    with errors.alike():  # the metadata is rank 0's, broadcast: every rank decides alike
+        N, M = shapes["q"][2], shapes["k"][2]
+        if N != M:
+            raise ValueError(f"prefill needs a prompt: q and k of one length, got N = {N}, M = {M}")
+        kept = [n for n in ("key_padding_mask", "segment_ids", "kv_segment_ids") if n in shapes]
+        if kept:
+            raise ValueError(f"prefill: a cache keeps no padding or document ids; {args.input} has "
+                             f"{', '.join(kept)}")
+    window = meta["window"] if args.window is None else args.window
+    with timer.phase("read"):
+        inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta)
+    xp, _ = select_device(c, args.device, args.gpu_transport)
+    move = _mover(c, xp)
+    q, k, v = move(inp.q), move(inp.k), move(inp.v)
+    scale = inp.scale if args.scale is None else args.scale
+    options = Options(causal=True, window=window, scale=scale, layout=args.layout, engine=args.engine,
+                      check_finite=False)
+    used: dict = {}
+    with timer.phase("forward"):
+        out, lse = attention(q, k, v, c, options=options, details=used,
+                             progress=con.progress("forward"))
+    cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page)
+    extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
+             "lse": io.Rows(backend.to_host(lse), N, 2, args.layout)}
+    attrs = {"causal": "bottom-right", "scale": scale, "input_path": os.path.abspath(args.input),
+             "window": None if window is None else [-1 if w is None else w for w in window]}
+    with timer.phase("write"):
+        cache.save(args.output, force=args.force, extra=extra, outputs=con.outputs,
+                   attrs={**attrs, **_stamp(timer), "engine": used.get("engine", "")})
+    con.say(f"mpiattn {__version__} prefill: {N} tokens, B {inp.q.shape[0]}, H {inp.q.shape[1]}, "
+            f"Hkv {inp.k.shape[1]}, E {inp.q.shape[3]}, {inp.q.dtype}, {c.size} rank(s), "
+            f"strategy {used.get('strategy')}, engine {used.get('engine')}")
+    con.say(f"  time     {timer.summary()}")
+    con.say(f"  cache    {os.path.abspath(args.output)}: k, v ({cache.length} rows, pages of "
+            f"{cache.page}), out, lse")
+    return 0
+
+
+def _carried(c: Any, path: str, meta: dict) -> dict:
+    """The cache file's other datasets (rows on axis 2 of 4-D, -1 of 3-D), this rank's share."""
+    extra = {}
+    for name, shape in meta["extra"].items():
+        axis = 2 if len(shape) >= 3 else len(shape) - 1
+        n = shape[axis]
+        seg = all_segments(n, c.size, "contiguous")[c.rank]
+        a, b = (seg[0][0], seg[0][0] + seg[0][1]) if seg else (0, 0)
+        (x,) = kvstore.read_cache_rows(c, path, meta, a, b, names=(name,), axis=axis)
+        extra[name] = io.Rows(x, n, axis, "contiguous")
+    return extra
+
+
+def cmd_decode(args: Any, con: Console) -> int:
+    """``mpiattn decode CACHE.h5 --queries Q.h5 -o OUT.h5 [--append]`` (module docstring)."""
+    c = world_comm()
+    timer = run_timer(c, con)
+    _not_same(c, args.cache, args.output, "cache file")
+    _not_same(c, args.queries, args.output, "queries file")
+    prepare_output(c, con, args.output, args.force)
+    xp, _ = select_device(c, args.device, args.gpu_transport)
+    with timer.phase("read"):
+        meta = kvstore.read_cache_meta(c, args.cache)
+        cache = KVCache.load(args.cache, c, device=xp.__name__)
+        new = kvstore.read_replicated(c, args.queries, ("q",), ("k", "v") if args.append else ())
+        with errors.alike():
+            if args.append and not {"k", "v"} <= set(new):
+                raise ValueError(f"--append needs the new tokens' k and v in {args.queries}")
+        carried = _carried(c, args.cache, meta) if args.append else {}
+    saved = meta["attrs"]
+    window = io.reading.window_from_attribute(saved.get("window")) if args.window is None else args.window
+    scale = saved.get("scale") if args.scale is None else args.scale
+    move = _mover(c, xp)
+    used: dict = {}
+    with timer.phase("forward"):
+        if args.append:
+            cache.append(move(new["k"]), move(new["v"]))
+        out, lse = cache.attend(move(new["q"]), window=window, scale=scale, engine=args.engine,
+                                details=used)
+    t = int(out.shape[2])
+    mine = Layout([[(0, t)]] + [[] for _ in range(c.size - 1)])  # rank 0 writes the replicated result
+    keep = slice(None) if c.rank == 0 else slice(0, 0)
+    rows = {"out": io.Rows(backend.to_host(out)[:, :, keep], t, 2, mine),
+            "lse": io.Rows(backend.to_host(lse)[:, :, keep], t, 2, mine)}
+    with timer.phase("write"):
+        io.write_rows(args.output, rows, c, attrs={"cache_path": os.path.abspath(args.cache),
+                                                   "cache_length": cache.length, "append": args.append,
+                                                   "engine": used.get("engine", ""), **_stamp(timer)},
+                      force=args.force, outputs=con.outputs)
+        if args.append:
+            cache.save(args.cache, force=True, extra=carried, outputs=con.outputs,
+                       attrs={k: v for k, v in saved.items() if k not in _OWN})
+    con.say(f"mpiattn {__version__} decode: {t} new token(s) against {cache.length} cached "
+            f"({c.size} rank(s), engine {used.get('engine')}){'; appended' if args.append else ''}")
+    con.say(f"  time     {timer.summary()}")
+    con.say(f"  output   {os.path.abspath(args.output)}: out, lse")
+    if args.append:
+        con.say(f"  cache    {os.path.abspath(args.cache)}: {cache.length} rows")
+    return 0

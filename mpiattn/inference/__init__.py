@@ -1,0 +1,24 @@
+"""Long-context inference: a key/value cache sharded over the ranks, decode, chunked prefill.
+
+``placement``
+    where appended rows go: whole pages, each to the rank with the fewest rows;
+``shard``
+    one rank's rows: adopted blocks and pages, with their global positions;
+``merge``
+    the exact lse merge of partial results, and its tree over the ranks;
+``local``
+    one rank's partial attention of queries at known positions;
+``decode``
+    a few new queries (every rank holds them) against the cache;
+``prefill``
+    a sharded chunk against the cache: pass-KV and pass-Q, and the rule between them;
+``cache``
+    :class:`KVCache`, the public object (``mpiattn.KVCache``).
+"""
+
+from __future__ import annotations
+
+from .cache import KVCache
+from .placement import PAGE_ROWS, Placement
+
+__all__ = ["KVCache", "Placement", "PAGE_ROWS"]

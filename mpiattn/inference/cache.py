@@ -1,0 +1,438 @@
+"""``KVCache``: the keys and values of one growing sequence, sharded over the ranks of a communicator.
+
+Made from a prefill's shards (:meth:`KVCache.from_shards`) or a file
+(:meth:`KVCache.load`, at any rank count); grown by tokens every rank holds
+alike (:meth:`KVCache.append`, placed in pages by
+:mod:`mpiattn.inference.placement`) or by a sharded chunk
+(:meth:`KVCache.prefill`); attended by a few new queries every rank holds
+(:meth:`KVCache.attend`, :mod:`mpiattn.inference.decode`); saved
+(:meth:`KVCache.save`, :mod:`mpiattn.io.kvstore`). Every row keeps its
+global position, so causal and window rules hold in positions whatever
+rank a row lives on. NumPy and CuPy arrays run the same code.
+
+Every rank holds the same small state (shapes, dtype, length, the placement
+with each rank's row count), updated by the same arithmetic after each
+agreed call; each rank holds its own rows (:class:`~mpiattn.inference.shard.Shard`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..comm import errors
+from ..comm.core import Comm, get_comm
+from ..comm.device import prepare
+from ..io.kvstore import read_cache_meta, read_cache_rows, save_cache
+from ..io.publishing import Outputs
+from ..io.writing import Rows
+from ..kernels import engines
+from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
+from ..strategies import machines
+from ..strategies.problem import FUSED_VARIABLE
+from ..strategies.spec import Options
+from .decode import checksum, decode, step_spec
+from .local import Rules
+from .placement import PAGE_ROWS, POLICY, Placement, check_page
+from .prefill import VARIANTS, choose, pass_kv, pass_q, runs_of
+from .shard import Shard
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Keys and values of one sequence, sharded over the ranks (see the module docstring).
+
+    Made by :meth:`from_shards` or :meth:`load`, not directly.
+
+    Attributes
+    ----------
+    comm : Comm
+    length : int
+        Rows in the sequence (``M``), the same on every rank.
+    B, Hkv, E, Ev : int
+    dtype : numpy.dtype
+    device : {"numpy", "cupy"}
+    placement : Placement
+        Rows per rank and the page appends fill.
+    """
+
+    def __init__(self, c: Comm, shard: Shard, placement: Placement):
+        self.comm, self.shard, self.placement = c, shard, placement
+
+    # ------------------------------------------------------------ properties
+    length = property(lambda self: self.placement.total)
+    B = property(lambda self: self.shard.B)
+    Hkv = property(lambda self: self.shard.Hkv)
+    E = property(lambda self: self.shard.E)
+    Ev = property(lambda self: self.shard.Ev)
+    dtype = property(lambda self: self.shard.dtype)
+    device = property(lambda self: self.shard.xp.__name__)
+    page = property(lambda self: self.placement.page)
+
+    @property
+    def rows(self) -> int:
+        """Rows this rank holds."""
+        return self.shard.rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of key/value storage this rank holds (less than one page above its rows)."""
+        return self.shard.nbytes
+
+    def positions(self) -> np.ndarray:
+        """Global positions of this rank's rows (increasing), ``(rows,)`` int64."""
+        return np.sort(self.shard.positions())
+
+    def local(self) -> tuple[Any, Any, np.ndarray]:
+        """This rank's rows as ``(k (B, Hkv, m_r, E), v (B, Hkv, m_r, Ev), positions (m_r,))``,
+        in increasing position (a copy unless stored as one block)."""
+        return self.shard.whole()
+
+    def layout(self) -> Layout:
+        """Who holds which positions, as a :class:`mpiattn.Layout` (collective: one allgather)."""
+        return Layout(self.comm.allgather_obj(runs_of(self.positions())))
+
+    def __repr__(self) -> str:
+        return (f"KVCache(length={self.length}, B={self.B}, Hkv={self.Hkv}, E={self.E}, Ev={self.Ev}, "
+                f"dtype={self.dtype}, device={self.device}, ranks={self.comm.size}, page={self.page})")
+
+    # --------------------------------------------------------------- making
+    @classmethod
+    def from_shards(cls, k: Any, v: Any, comm: Any = None, *, layout: Any = "contiguous",
+                    page: int = PAGE_ROWS) -> "KVCache":
+        """Adopt every rank's rows of a prefilled sequence (collective).
+
+        Parameters
+        ----------
+        k : array, shape (B, Hkv, m_r, E)
+            This rank's key rows of a global length ``M`` by ``layout``.
+        v : array, shape (B, Hkv, m_r, Ev)
+        comm : mpi4py.MPI.Intracomm or Comm, optional
+            Default ``MPI.COMM_WORLD``.
+        layout : str or Layout
+            The rows' layout (as in :func:`mpiattn.attention`).
+        page : int
+            Rows per page of later appends (:mod:`mpiattn.inference.placement`).
+
+        Returns
+        -------
+        KVCache
+            It keeps ``k`` and ``v`` (C-contiguous arrays whose rows are in
+            increasing position are not copied: do not modify them afterwards).
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank alike: bad shapes or dtypes, ranks that disagree,
+            lengths that do not match the layout.
+        """
+        c = get_comm(comm)
+
+        def local() -> dict:
+            xp = backend.array_module(k, v)
+            for name, x in (("k", k), ("v", v)):
+                if x.ndim != 4:
+                    raise ValueError(f"{name} must be 4-D (batch, kv heads, rows, feature), got "
+                                     f"shape {x.shape}")
+                backend.check_dtype(x.dtype, name)
+            if k.dtype != v.dtype:
+                raise TypeError(f"k and v must share one dtype, got {k.dtype} and {v.dtype}")
+            if k.shape[:3] != v.shape[:3]:
+                raise ValueError(f"k {k.shape} and v {v.shape} must agree in batch, heads and rows")
+            if k.shape[1] < 1:
+                raise ValueError("k has no key/value head")
+            check_layout(layout)
+            return {"shapes (B, Hkv, E, Ev)": (k.shape[0], k.shape[1], k.shape[3], v.shape[3]),
+                    "dtype": str(k.dtype), "backend": xp.__name__, "layout": layout_key(layout),
+                    "page": check_page(page), "_m": int(k.shape[2])}
+
+        got = c.allgather_checked(local)
+        with errors.alike():
+            for name in got[0]:
+                if not name.startswith("_"):
+                    errors.same_everywhere([g[name] for g in got], name)
+            counts = [g["_m"] for g in got]
+            M = sum(counts)
+            check_shares(counts, layout, "key/value rows (k, v)")
+        prepare(c, k, v)
+        xp = backend.array_module(k)
+        B, Hkv, E, Ev = got[0]["shapes (B, Hkv, E, Ev)"]
+        shard = Shard(xp, k.dtype, B, Hkv, E, Ev, got[0]["page"])
+        shard.adopt(k, v, positions(all_segments(M, c.size, layout)[c.rank]))
+        return cls(c, shard, Placement.start(counts, got[0]["page"]))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, comm: Any = None, *, page: int | None = None,
+             device: str = "numpy") -> "KVCache":
+        """Read a cache saved by :meth:`save`, at any number of ranks (collective).
+
+        The rows are rebalanced: rank ``r`` reads the ``r``-th of ``P``
+        contiguous ranges of positions (``numpy.array_split``'s sizes).
+
+        Parameters
+        ----------
+        path : path-like
+        comm : optional
+        page : int, optional
+            Rows per page of later appends; default the saved one.
+        device : {"numpy", "cupy"}
+            Where the rows go (``cupy``: each rank's current device).
+
+        Raises
+        ------
+        FileNotFoundError, OSError, ValueError, TypeError
+            On every rank alike: a missing, unreadable, truncated or
+            replaced file, or one that is no cache of this format.
+        """
+        c = get_comm(comm)
+        path = os.fspath(path)
+        with c.collective_errors():
+            if device not in ("numpy", "cupy"):
+                raise ValueError(f"device must be 'numpy' or 'cupy', got {device!r}")
+            page = None if page is None else check_page(page)
+        meta = read_cache_meta(c, path)
+        M = meta["M"]
+        seg = all_segments(M, c.size, "contiguous")[c.rank]
+        start, stop = (seg[0][0], seg[0][0] + seg[0][1]) if seg else (0, 0)
+        k, v = read_cache_rows(c, path, meta, start, stop)
+        if device == "cupy":
+            import cupy
+
+            k, v = cupy.asarray(k), cupy.asarray(v)
+        page = meta["page"] if page is None else page
+        counts = [sum(n for _, n in s) for s in all_segments(M, c.size, "contiguous")]
+        prepare(c, k, v)
+        shard = Shard(backend.array_module(k), k.dtype, meta["B"], meta["Hkv"], meta["E"],
+                      meta["Ev"], page)
+        shard.adopt(k, v, np.arange(start, stop, dtype=np.int64))
+        return cls(c, shard, Placement.start(counts, page))
+
+    # -------------------------------------------------------------- growing
+    def append(self, k_new: Any, v_new: Any) -> None:
+        """Add ``t`` new tokens (collective): the same ``k_new``, ``v_new`` on every rank.
+
+        Parameters
+        ----------
+        k_new : array, shape (B, Hkv, t, E)
+        v_new : array, shape (B, Hkv, t, Ev)
+            The cache's dtype and device. They take positions ``length ..
+            length + t - 1``; each page of them goes to one rank
+            (:class:`~mpiattn.inference.placement.Placement`), which copies
+            its rows; nothing is sent.
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank alike: wrong shape, dtype or device, or arrays that
+            differ between ranks (their CRC-32 is compared).
+        """
+        s = self.shard
+
+        def local() -> dict:
+            xp = backend.array_module(k_new, v_new)
+            if xp is not s.xp:
+                raise TypeError(f"append: the new rows are {xp.__name__} arrays, the cache holds "
+                                f"{s.xp.__name__} arrays")
+            for name, x, F in (("k_new", k_new, s.E), ("v_new", v_new, s.Ev)):
+                if x.dtype != s.dtype:
+                    raise TypeError(f"append: {name} has dtype {x.dtype}, the cache holds {s.dtype}")
+                if x.ndim != 4 or x.shape[:2] != (s.B, s.Hkv) or x.shape[3] != F:
+                    raise ValueError(f"append: {name} must have shape (B, Hkv, t, {F}) = "
+                                     f"({s.B}, {s.Hkv}, t, {F}), got {x.shape}")
+            if k_new.shape[2] != v_new.shape[2]:
+                raise ValueError(f"append: k_new has {k_new.shape[2]} rows, v_new {v_new.shape[2]}")
+            return {"append's rows": int(k_new.shape[2]),
+                    "append's values (CRC-32 of k_new, v_new)": (checksum(k_new), checksum(v_new))}
+
+        got = self.comm.allgather_checked(local)
+        with errors.alike():
+            for name in got[0]:
+                errors.same_everywhere([g[name] for g in got], name)
+        t = int(k_new.shape[2])
+        runs, after = self.placement.place(t)
+        base = self.length
+        for owner, a, b in runs:
+            if owner == self.comm.rank:
+                s.extend(k_new[:, :, a:b], v_new[:, :, a:b], np.arange(base + a, base + b, dtype=np.int64))
+        self.placement = after
+
+    # ------------------------------------------------------------- attending
+    def attend(self, q: Any, *, causal: bool = True, window: Any = None, scale: float | None = None,
+               engine: str = "auto", check_finite: bool = True,
+               details: dict | None = None) -> tuple[Any, Any]:
+        """Decode: ``t`` new queries, the same on every rank, against the whole cache (collective).
+
+        The queries stand at the last ``t`` positions (``length - t ..
+        length - 1``: append their keys first). Each rank attends its rows
+        with its engine; the partial results are merged exactly by a tree
+        (:mod:`mpiattn.inference.decode`).
+
+        Parameters
+        ----------
+        q : array, shape (B, H, t, E)
+            ``H`` a multiple of ``Hkv`` (GQA/MQA); the cache's dtype and device.
+        causal : bool or "bottom-right"
+            Query ``i`` sees keys ``j <= length - t + i`` (bottom-right
+            aligned); False: every key (within the window).
+        window : (left, right), optional
+            Keys ``p - left <= j <= p + right`` of a query at position ``p``.
+        scale : float, optional
+            Default ``1/sqrt(E)``.
+        engine : str
+            ``"auto"`` (native) or a registered engine.
+        check_finite : bool
+            Raise when ``q`` holds NaN or Inf.
+        details : dict, optional
+            Filled with ``engine``, ``blocks`` (computed on this rank),
+            ``merge_words`` (sent per rank).
+
+        Returns
+        -------
+        out : array, shape (B, H, t, Ev), the cache's dtype
+        lse : array, shape (B, H, t), float32 (float64 for float64)
+            Bitwise identical on every rank; ``out = 0``, ``lse = -inf`` for
+            a query that sees no key.
+        """
+        settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
+                        engine=engine, check_finite=check_finite)
+        return decode(self.comm, self.shard, self.length, q, settings, details)
+
+    def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
+                window: Any = None, scale: float | None = None, engine: str = "auto",
+                check_finite: bool = True, append: bool = True, machine: str | None = None,
+                details: dict | None = None) -> tuple[Any, Any]:
+        """Chunked prefill: a sharded chunk attends the cache and itself, bottom-right causal (collective).
+
+        Parameters
+        ----------
+        q : array, shape (B, H, c_r, E)
+            This rank's rows of a chunk of ``C`` queries (by ``layout``), at
+            positions ``length .. length + C - 1``.
+        k, v : arrays, shapes (B, Hkv, c_r, E) and (B, Hkv, c_r, Ev)
+            The chunk's keys and values, the same rows.
+        layout : str or Layout
+            The chunk's layout of ``C`` rows.
+        variant : {"auto", "pass-kv", "pass-q"}
+            :mod:`mpiattn.inference.prefill`; ``auto`` asks its cost rule on
+            ``machine`` (a profile or calibration file; default the device's).
+        window, scale, engine, check_finite
+            As in :meth:`attend`.
+        append : bool
+            Keep the chunk's rows in the cache afterwards (each rank its own).
+        details : dict, optional
+            Filled with ``variant`` and ``reason``.
+
+        Returns
+        -------
+        out : array, shape (B, H, c_r, Ev), the cache's dtype
+        lse : array, shape (B, H, c_r)
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank alike.
+        """
+        c, s = self.comm, self.shard
+        options = dict(window=window, scale=scale, engine=engine, check_finite=check_finite)
+
+        def local() -> dict:
+            o = Options.of(None, **options, layout=layout)
+            if variant not in VARIANTS:
+                raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+            xp = backend.array_module(q, k, v)
+            if xp is not s.xp:
+                raise TypeError(f"prefill: the chunk is {xp.__name__}, the cache {s.xp.__name__}")
+            for name, x, heads, F in (("q", q, None, s.E), ("k", k, s.Hkv, s.E), ("v", v, s.Hkv, s.Ev)):
+                if x.dtype != s.dtype:
+                    raise TypeError(f"prefill: {name} has dtype {x.dtype}, the cache holds {s.dtype}")
+                if x.ndim != 4 or x.shape[0] != s.B or x.shape[3] != F or \
+                        (heads is not None and x.shape[1] != heads):
+                    raise ValueError(f"prefill: {name} has shape {x.shape}; the cache needs (B, "
+                                     f"{'H' if heads is None else heads}, c_r, {F}) with B = {s.B}")
+            if q.shape[1] % s.Hkv or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+                raise ValueError(f"prefill: q {q.shape}, k {k.shape}, v {v.shape}: heads must be a "
+                                 f"multiple of {s.Hkv} and the rows the same")
+            name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
+            fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
+            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
+                             1.0 / math.sqrt(s.E) if o.scale is None else o.scale, fused)
+            return {"q's heads": int(q.shape[1]), **o.by_field(), "variant": variant,
+                    "machine": name, f"the environment's {FUSED_VARIABLE}": fused,
+                    "_n": int(q.shape[2]), "_spec": spec,
+                    "_engine": engines.local_choice(engine, spec)}
+
+        got = c.allgather_checked(local)
+        with errors.alike():
+            for name in got[0]:
+                if not name.startswith("_"):
+                    errors.same_everywhere([g[name] for g in got], name)
+            counts = [g["_n"] for g in got]
+            C = sum(counts)
+            check_shares(counts, layout, "the chunk's rows (q, k, v)")
+            for r, g in enumerate(got):
+                if not g["_engine"][0]:
+                    raise ValueError(f"engine {engine!r} cannot run on rank {r}: {g['_engine'][1]}")
+            chosen, reason = variant, "requested"
+            if variant == "auto":
+                ch = choose(c.size, C, self.length, s.B, int(q.shape[1]), s.Hkv, s.E, s.Ev,
+                            s.dtype.itemsize, machines.load(got[0]["machine"]),
+                            c.topology.n_nodes > 1, rate_dtype=s.dtype.name)
+                chosen, reason = ch.variant, ch.reason
+        chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
+        if chosen == "pass-kv":
+            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options)
+        else:
+            prepare(c, q, k, v)
+            spec = got[0]["_spec"]
+            rules = Rules(True, spec.mask.window, spec.scale)
+            with c.abort_on_error():
+                out, lse = pass_q(c, s, self.length, q, k, v, chunk_pos, counts,
+                                  engines.get(got[0]["_engine"][0]), rules, check_finite, spec.fused)
+        if details is not None:
+            details.update({"variant": chosen, "reason": reason})
+        if append:
+            s.adopt(k, v, self.length + chunk_pos)
+            self.placement = self.placement.adopted(counts)
+        return out, lse
+
+    # --------------------------------------------------------------- saving
+    def save(self, path: str | os.PathLike, *, force: bool = False, extra: dict | None = None,
+             attrs: dict | None = None, outputs: Outputs | None = None) -> None:
+        """Write the cache to HDF5 (collective; :mod:`mpiattn.io.kvstore`), atomically.
+
+        Each rank writes its own rows at their global positions (a host copy
+        of them); the file records the length, the page and the placement
+        policy, and the writer's rows per rank. :meth:`load` reads it at any
+        rank count.
+
+        Parameters
+        ----------
+        path : path-like
+        force : bool
+            Replace an existing file (atomically).
+        extra : dict of str to mpiattn.io.Rows, optional
+            Other datasets to write beside ``k`` and ``v``.
+        attrs : dict, optional
+            More root attributes.
+        outputs : mpiattn.io.Outputs, optional
+            The program's outputs (a signal handler can stop the write).
+
+        Raises
+        ------
+        OSError, ValueError
+            On every rank alike; ``path`` is then unchanged.
+        """
+        kx, vx, pos = self.shard.whole()
+        lay = self.layout()
+        meta = {"length": self.length, "page": self.page, "placement": POLICY,
+                "ranks": self.comm.size, "rows_per_rank": list(self.placement.counts),
+                **dict(attrs or {})}
+        save_cache(self.comm, os.fspath(path), Rows(backend.to_host(kx), self.length, 2, lay),
+                   Rows(backend.to_host(vx), self.length, 2, lay), meta, extra=extra, force=force,
+                   outputs=outputs)
+

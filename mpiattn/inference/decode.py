@@ -1,0 +1,158 @@
+"""Decode: a few new queries, held by every rank, against a key/value cache sharded over the ranks.
+
+The ``t`` queries are the last ``t`` positions of the cache's ``M`` rows
+(their keys appended already): query ``i`` stands at position ``M - t + i``
+and, causal, sees keys ``j <= M - t + i`` (bottom-right alignment), with a
+window measured from the same position. Every rank
+
+1. checks the call with one metadata allgather (the queries' shapes, dtype
+   and a CRC-32 of their bytes must be the same on every rank; the engine
+   must run here): a bad input raises the same error on every rank;
+2. attends its own rows with its engine (:mod:`mpiattn.inference.local`;
+   a rank whose rows no query sees computes nothing);
+3. takes part in the tree merge of the partials (:mod:`mpiattn.inference.merge`):
+   one message of ``B t H (Ev + 1)`` words sent per rank, the result
+   bitwise identical on every rank.
+
+Cost per rank and step: FLOPs ``4 B H t (E + Ev) / 2 x M / P`` (the visible
+pairs), words read ``M / P x B Hkv (E + Ev)`` (memory bound for small
+``t``), words sent ``B t H (Ev + 1)``, ``2 ceil(log2 P)`` message steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..comm import errors
+from ..comm.core import Comm
+from ..comm.device import prepare
+from ..kernels import DEFAULT_TILE, engines
+from ..masks import MaskSpec
+from ..strategies.problem import FUSED_VARIABLE
+from ..strategies.spec import AttentionSpec, Options
+from .local import Rules, partial_attention
+from .merge import tree_merge
+from .shard import Shard
+
+__all__ = ["decode", "checksum", "step_spec", "Step"]
+
+
+def checksum(x: Any) -> int:
+    """CRC-32 of an array's bytes (host copy for CuPy): ranks compare replicated inputs by it."""
+    return zlib.crc32(np.ascontiguousarray(backend.to_host(x)).view(np.uint8).reshape(-1))
+
+
+class Step:
+    """What a decode step used: ``engine``, ``blocks`` computed on this rank, ``merge_words``."""
+
+    def __init__(self, engine: str, blocks: int, merge_words: int):
+        self.engine, self.blocks, self.merge_words = engine, blocks, merge_words
+
+    def as_dict(self) -> dict:
+        return {"engine": self.engine, "blocks": self.blocks, "merge_words": self.merge_words}
+
+
+def step_spec(shard: Shard, length: int, q: Any, options: Options, scale: float,
+              fused: bool) -> AttentionSpec:
+    """The call of queries ``q (B, H, t, E)`` against the ``length`` rows of ``shard``'s cache as an
+    :class:`AttentionSpec`, bottom-right aligned (what engines' declared capabilities are read on)."""
+    B, H, t, E = q.shape
+    mask = MaskSpec(bool(options.causal), options.window, diagonal=length - t)
+    return AttentionSpec(B, H, shard.Hkv, E, shard.Ev, t, length, np.dtype(q.dtype),
+                         backend.array_module(q).__name__, scale, mask, "contiguous",
+                         "contiguous", options, fused)
+
+
+def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
+    """This rank's checks of a step (inside the validation allgather: errors are agreed)."""
+    options = Options.of(None, **settings)
+    if options.engine not in engines.NAMES:
+        raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
+    xp = backend.array_module(q)
+    if xp is not shard.xp:
+        raise TypeError(f"the queries are {xp.__name__} arrays, the cache holds {shard.xp.__name__} "
+                        "arrays")
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D (batch, heads, new tokens, feature), got shape {q.shape}")
+    B, H, t, E = q.shape
+    if q.dtype != shard.dtype:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {shard.dtype}")
+    if B != shard.B:
+        raise ValueError(f"q has batch {B}, the cache has batch {shard.B}")
+    if E != shard.E:
+        raise ValueError(f"q has head dim E = {E}, the cache's keys have E = {shard.E}")
+    if H < 1 or H % shard.Hkv:
+        raise ValueError(f"q's heads ({H}) must be a positive multiple of the cache's key/value "
+                         f"heads ({shard.Hkv})")
+    if t < 1:
+        raise ValueError("q holds no new token (t = 0)")
+    if options.check_finite and not bool(xp.isfinite(q).all()):
+        raise ValueError("q contains NaN or Inf (pass check_finite=False to skip this check)")
+    scale = 1.0 / math.sqrt(E) if options.scale is None else options.scale
+    fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
+    spec = step_spec(shard, length, q, options, scale, fused)
+    return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
+            "q's values (CRC-32)": checksum(q), **options.by_field(),
+            f"the environment's {FUSED_VARIABLE}": fused,
+            "_spec": spec, "_engine": engines.local_choice(options.engine, spec)}
+
+
+def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
+           used: dict | None = None) -> tuple[Any, Any]:
+    """One decode step (see the module docstring); collective on ``c``.
+
+    Parameters
+    ----------
+    c : Comm
+    shard : Shard
+        This rank's cache rows.
+    length : int
+        The cache's global length ``M`` (the same on every rank).
+    q : array, shape (B, H, t, E)
+        The new queries, the same on every rank.
+    settings : dict
+        :class:`mpiattn.Options` fields: ``causal`` (True: bottom-right, the
+        default; False), ``window``, ``scale``, ``engine``, ``check_finite``.
+    used : dict, optional
+        Filled with :meth:`Step.as_dict`.
+
+    Returns
+    -------
+    out : array, shape (B, H, t, Ev), q's dtype
+    lse : array, shape (B, H, t), the accumulation dtype
+        Bitwise identical on every rank.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank alike (marked :class:`mpiattn.comm.errors.Agreed`).
+    """
+    got = c.allgather_checked(lambda: _local(shard, length, q, dict(settings)))
+    with errors.alike():
+        for name in got[0]:
+            if not name.startswith("_"):
+                errors.same_everywhere([g[name] for g in got], name)
+        for r, g in enumerate(got):
+            if not g["_engine"][0]:
+                raise ValueError(f"engine {settings.get('engine')!r} cannot run on rank {r}: "
+                                 f"{g['_engine'][1]}; use engine='native' or 'auto'")
+    spec: AttentionSpec = got[0]["_spec"]
+    engine = engines.get(got[0]["_engine"][0])
+    prepare(c, q)
+    t = spec.N
+    rules = Rules(True if spec.mask.causal else False, spec.mask.window, spec.scale)
+    q_pos = np.arange(length - t, length, dtype=np.int64)
+    with c.abort_on_error():
+        o, lse, blocks = partial_attention(engine, q, q_pos, shard.views(), spec.Hkv, spec.Ev,
+                                           rules, tile=DEFAULT_TILE, finite=spec.options.check_finite,
+                                           fused=spec.fused)
+        o, lse = tree_merge(c, o, lse)
+    if used is not None:
+        used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
+    return o.astype(spec.dtype, copy=False), lse

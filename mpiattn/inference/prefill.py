@@ -1,0 +1,159 @@
+"""Chunked prefill: a new chunk of queries, sharded over the ranks, attends the cache and itself.
+
+The chunk's ``C`` rows stand at positions ``M .. M + C - 1`` after the
+cache's ``M`` (bottom-right causal: chunk query ``i`` sees keys
+``j <= M + i``; a window is measured from ``M + i``). Every rank holds some
+of the chunk's rows (``q``, ``k``, ``v``, by a layout of ``C`` rows) and
+its own cache rows. Two exact ways to bring them together (Yang et al.
+2024, "Context Parallelism for Scalable Million-Token Inference", Meta):
+
+``pass-kv``
+    Keys and values travel: each rank's cache rows plus its chunk rows go
+    round the ring (:func:`mpiattn.attention` with ``strategy="ring"`` and
+    ``causal="bottom-right"``) past queries that stay. Words sent per rank
+    ``(P - 1) (M + C) / P x B Hkv (E + Ev)``, overlapped with compute where
+    the transport allows; one extra copy of the rank's cache rows (the ring
+    sends one contiguous array).
+``pass-q``
+    Queries and partial results travel: the chunk's queries are gathered
+    on every rank (``(P - 1) C / P x B H E`` words sent per rank), each rank
+    attends all of them with its own keys, and the partials ``(o, lse)`` go
+    back to the queries' owners in one all-to-all (``(P - 1) C / P x B H
+    (Ev + 1)`` words), merged there in rank order (:func:`mpiattn.inference.merge.merge`).
+    Nothing overlaps; no copy of the cache.
+
+:func:`choose` takes the one with the shorter predicted time on a
+:class:`~mpiattn.strategies.machines.Machine` (its link to the other ranks,
+its compute rate and how much of a ring's transfer hides behind compute):
+pass-Q when the chunk is short next to the cache, as in the paper's rule
+(pass-KV once ``C / (C + M)`` exceeds about ``2 Hkv / H``, or its transfer
+hides behind the compute).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import backend
+from ..comm.core import Comm
+from ..kernels import DEFAULT_TILE
+from ..kernels.engine import Engine
+from ..layouts import Layout
+from ..strategies.api import attention
+from ..strategies.machines import Machine
+from .local import Rules, partial_attention
+from .merge import merge
+from .shard import Shard
+
+__all__ = ["VARIANTS", "Choice", "choose", "pass_kv", "pass_q", "runs_of"]
+
+#: Accepted values of ``variant=``.
+VARIANTS = ("auto", "pass-kv", "pass-q")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided and why (seconds and bytes per rank, predicted)."""
+
+    variant: str
+    pass_kv_s: float
+    pass_q_s: float
+    pass_kv_bytes: float
+    pass_q_bytes: float
+
+    @property
+    def reason(self) -> str:
+        return (f"predicted pass-kv {self.pass_kv_s * 1e3:.3g} ms ({self.pass_kv_bytes / 2**20:.3g} MiB "
+                f"sent), pass-q {self.pass_q_s * 1e3:.3g} ms ({self.pass_q_bytes / 2**20:.3g} MiB)")
+
+
+def choose(P: int, C: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
+           machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> Choice:
+    """pass-KV or pass-Q for a chunk of ``C`` queries after ``M`` cached rows on ``P`` ranks.
+
+    ``compute = 2 B H (E + Ev) (C M + C (C + 1) / 2) / P / rate`` (causal
+    pairs); pass-KV's ring hides ``overlap x compute`` of its transfer,
+    pass-Q's two collectives hide nothing (module docstring for the words).
+    One rank: pass-Q (nothing travels, nothing is copied).
+    """
+    if P == 1:
+        return Choice("pass-q", 0.0, 0.0, 0.0, 0.0)
+    link = machine.between if between_nodes else machine.inside
+    acc = 8 if itemsize == 8 else 4
+    pairs = C * M + C * (C + 1) / 2
+    compute = 2.0 * B * H * (E + Ev) * pairs / P / machine.rate(rate_dtype)
+    kv_bytes = (P - 1) * math.ceil((M + C) / P) * B * Hkv * (E + Ev) * itemsize
+    kv_time = link.time(kv_bytes, P - 1)
+    kv_exposed = max(kv_time - machine.overlap * compute, (1.0 - machine.overlap) * kv_time)
+    rows = math.ceil(C / P)
+    q_bytes = (P - 1) * rows * B * H * (E * itemsize + (Ev + 1) * acc)
+    q_time = link.time(q_bytes, 2 * (P - 1))
+    variant = "pass-q" if q_time < kv_exposed else "pass-kv"
+    return Choice(variant, compute + kv_exposed, compute + q_time, kv_bytes, q_bytes)
+
+
+def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
+    """``pos`` (in local order) as half-open ranges of consecutive positions, in that order."""
+    if pos.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(pos) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    stops = np.concatenate((cuts, [pos.size]))
+    return [(int(pos[a]), int(pos[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
+            layout: Any, options: dict) -> tuple[Any, Any]:
+    """pass-KV (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
+
+    ``chunk_pos`` are this rank's chunk rows (``0 .. C - 1``, local order by
+    ``layout``); ``options`` the :class:`mpiattn.Options` fields to pass on
+    (``window``, ``scale``, ``engine``, ``check_finite``, ``causal``).
+    """
+    xp = shard.xp
+    kc, vc, pc = shard.whole()
+    keys = xp.concatenate([kc, k], axis=2) if pc.size else k
+    values = xp.concatenate([vc, v], axis=2) if pc.size else v
+    pos = np.concatenate([pc, length + chunk_pos])
+    kv_layout = Layout(c.allgather_obj(runs_of(pos)))
+    causal = "bottom-right" if options.get("causal", True) else False
+    return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy="ring",
+                     **{**options, "causal": causal})
+
+
+def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
+           counts: list, engine: Engine, rules: Rules, finite: bool = True,
+           fused: bool = False) -> tuple[Any, Any]:
+    """pass-Q (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
+
+    ``counts[r]`` is rank ``r``'s number of chunk rows; ``rules`` hold the
+    causal flag, window and scale in absolute positions.
+    """
+    xp = backend.array_module(q)
+    B, H, n, E = q.shape
+    Hkv, Ev = shard.Hkv, shard.Ev
+    acc = backend.accum_dtype(q.dtype)
+    P = c.size
+    rows = xp.ascontiguousarray(xp.moveaxis(q, 2, 0))  # (c_r, B, H, E)
+    every = c.allgatherv_rows(rows, counts) if P > 1 else rows
+    Q = xp.ascontiguousarray(xp.moveaxis(every, 0, 2))  # (B, H, C, E), rank order
+    all_pos = c.allgather_obj(chunk_pos) if P > 1 else [chunk_pos]
+    q_pos = length + np.concatenate(all_pos).astype(np.int64)
+    blocks = list(shard.views()) + ([(k, v, length + chunk_pos)] if n else [])
+    o, lse, _ = partial_attention(engine, Q, q_pos, blocks, Hkv, Ev, rules, tile=DEFAULT_TILE,
+                                  finite=finite, fused=fused)
+    C = q_pos.size
+    buf = xp.empty((C, B, H, Ev + 1), dtype=acc)
+    buf[..., 0] = xp.moveaxis(lse, 2, 0)
+    buf[..., 1:] = xp.moveaxis(o, 2, 0)
+    got = c.alltoallv_rows(buf, counts, [n] * P) if P > 1 else buf
+    parts = got.reshape(P, n, B, H, Ev + 1)
+    out_o, out_l = parts[0, ..., 1:], parts[0, ..., 0]
+    for s in range(1, P):  # in rank order: the same association on every run
+        out_o, out_l = merge(out_o, out_l, parts[s, ..., 1:], parts[s, ..., 0])
+    out = xp.ascontiguousarray(xp.moveaxis(out_o, 0, 2))
+    return out.astype(q.dtype, copy=False), xp.ascontiguousarray(xp.moveaxis(out_l, 0, 2))

@@ -1,0 +1,93 @@
+"""``mpiattn prefill`` and ``mpiattn decode`` in-process at any rank count, against the float64 reference."""
+
+import os
+
+import h5py
+import numpy as np
+
+from mpiattn import cli
+
+from helpers import reference, whole
+
+
+def run(comm, capsys, *argv):
+    """main(argv) on every rank: (code, rank 0's stdout, rank 0's stderr); other ranks stay silent."""
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    codes = comm.allgather_obj(code)
+    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
+    if comm.rank != 0:
+        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
+    else:
+        assert err.count("error:") <= 1, err
+    return code, out, err
+
+
+def _write(comm, path, **arrays):
+    if comm.rank == 0:
+        with h5py.File(path, "w") as f:
+            for name, x in arrays.items():
+                f[name] = x
+    comm.barrier()
+
+
+def test_prefill_then_decode_with_appends_equals_full_attention(comm, capsys, shared_dir):
+    rng = np.random.default_rng(21)
+    L, n0 = 52, 40
+    Q = rng.standard_normal((1, 4, L, 8)).astype(np.float32)
+    K = rng.standard_normal((1, 2, L, 8)).astype(np.float32)
+    V = rng.standard_normal((1, 2, L, 6)).astype(np.float32)
+    inp, cache = os.path.join(shared_dir, "prompt.h5"), os.path.join(shared_dir, "cache.h5")
+    _write(comm, inp, q=Q[:, :, :n0], k=K[:, :, :n0], v=V[:, :, :n0])
+    code, text, err = run(comm, capsys, "prefill", inp, "-o", cache, "--page", 3, "--window", "20,0",
+                          "--layout", "zigzag", "-q")
+    assert code == 0, err
+    ref = reference(Q, K, V, causal=True, window=(20, 0))
+    data, attrs = whole(cache)
+    np.testing.assert_allclose(data["out"], ref.out[:, :, :n0], atol=2e-5)
+    np.testing.assert_array_equal(data["k"], K[:, :, :n0])
+    assert attrs["length"] == n0 and attrs["page"] == 3 and list(attrs["window"]) == [20, 0]
+    pos = n0
+    for t in (2, 1, 5):
+        qf, out = os.path.join(shared_dir, f"q{pos}.h5"), os.path.join(shared_dir, f"out{pos}.h5")
+        _write(comm, qf, q=Q[:, :, pos:pos + t], k=K[:, :, pos:pos + t], v=V[:, :, pos:pos + t])
+        code, text, err = run(comm, capsys, "decode", cache, "--queries", qf, "-o", out, "--append")
+        assert code == 0, err
+        got, oattrs = whole(out)
+        np.testing.assert_allclose(got["out"], ref.out[:, :, pos:pos + t], atol=2e-5)
+        np.testing.assert_allclose(got["lse"], ref.lse[:, :, pos:pos + t], atol=2e-5)
+        pos += t
+        assert oattrs["cache_length"] == pos
+    data, attrs = whole(cache)
+    np.testing.assert_array_equal(data["k"], K[:, :, :pos])
+    np.testing.assert_array_equal(data["v"], V[:, :, :pos])
+    np.testing.assert_allclose(data["out"], ref.out[:, :, :n0], atol=2e-5)  # carried over
+    assert attrs["length"] == pos and list(attrs["window"]) == [20, 0]
+
+
+def test_decode_errors_leave_every_file_as_it_was(comm, capsys, shared_dir):
+    rng = np.random.default_rng(22)
+    Q = rng.standard_normal((1, 2, 20, 4)).astype(np.float32)
+    K = rng.standard_normal((1, 1, 20, 4)).astype(np.float32)
+    inp, cache = os.path.join(shared_dir, "p.h5"), os.path.join(shared_dir, "c.h5")
+    _write(comm, inp, q=Q, k=K, v=K)
+    assert run(comm, capsys, "prefill", inp, "-o", cache, "-q")[0] == 0
+    before = open(cache, "rb").read() if comm.rank == 0 else None
+    bad, out = os.path.join(shared_dir, "bad.h5"), os.path.join(shared_dir, "out.h5")
+    _write(comm, bad, q=np.zeros((1, 2, 1, 5), np.float32), k=K[:, :, :1], v=K[:, :, :1])
+    code, _, err = run(comm, capsys, "decode", cache, "--queries", bad, "-o", out, "--append")
+    assert code == 1
+    if comm.rank == 0:
+        assert "E = 5" in err and "error:" in err
+    _write(comm, bad, q=Q[:, :, -1:], k=K[:, :, :1].astype(np.float64), v=K[:, :, :1].astype(np.float64))
+    code, _, err = run(comm, capsys, "decode", cache, "--queries", bad, "-o", out, "--append")
+    assert code == 1
+    if comm.rank == 0:
+        assert "dtype float64" in err
+    code, _, err = run(comm, capsys, "decode", cache, "--queries", bad, "-o", cache)
+    assert code == 1
+    if comm.rank == 0:
+        assert "is the cache file" in err
+        assert open(cache, "rb").read() == before  # the cache was never touched
+        assert sorted(os.listdir(shared_dir)) == ["bad.h5", "c.h5", "p.h5"]
+    comm.barrier()

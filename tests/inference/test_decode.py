@@ -1,0 +1,202 @@
+"""KVCache decode: the last rows of full attention over the whole sequence, on every rank alike.
+
+Every case builds one global sequence (float64 reference: ``helpers.reference`` on the
+whole arrays, bottom-right causal = the last t rows of causal self-attention), prefills
+the cache from shards, appends tokens (pages that reach every rank) and decodes.
+"""
+
+import numpy as np
+import pytest
+
+import mpiattn
+from mpiattn.inference import Placement
+from mpiattn.kernels import engines
+
+from helpers import host, reference
+
+TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3}
+
+
+def _seq(seed, B=2, H=4, Hkv=2, L=60, E=8, Ev=6, dtype="float64"):
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((B, H, L, E)).astype(dtype)
+    K = rng.standard_normal((B, Hkv, L, E)).astype(dtype)
+    V = rng.standard_normal((B, Hkv, L, Ev)).astype(dtype)
+    return Q, K, V
+
+
+def _check(got, ref_rows, dtype):
+    out, lse = (host(x) for x in got)
+    r_out, r_lse = ref_rows
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+    fin = np.isfinite(r_lse)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), r_out, atol=tol * max(1, np.abs(r_out).max()))
+    np.testing.assert_allclose(lse[fin], r_lse[fin], atol=tol * 10)
+
+
+def _same_bits_everywhere(comm, *arrays):
+    mine = b"".join(np.ascontiguousarray(host(a)).tobytes() for a in arrays)
+    got = comm.allgather_obj(mine)
+    assert all(g == got[0] for g in got), "ranks differ"
+
+
+CASES = [  # (name, prompt, appends, t, heads (H, Hkv), window, dtype, layout)
+    ("one-token", 40, [1, 1, 1], 1, (4, 2), None, "float64", "contiguous"),
+    ("several", 33, [5, 7], 3, (4, 4), None, "float32", "zigzag"),
+    ("mqa-window", 50, [2, 3, 4], 4, (6, 1), (9, 0), "float64", "contiguous"),
+    ("gqa-f16", 21, [6], 2, (4, 2), None, "float16", "uneven"),
+    ("window-both-sides", 30, [3], 3, (2, 1), (4, 1), "float32", "contiguous"),
+    ("tiny-prompt", 2, [1, 1, 1, 1, 1, 1, 1], 1, (2, 2), (3, 0), "float64", "contiguous"),
+]
+
+
+def _layout(kind, n, P):
+    if kind != "uneven":
+        return kind
+    cuts = np.sort(np.random.default_rng(P).choice(np.arange(1, n), P - 1, replace=False)) \
+        if P > 1 else []
+    edges = [0, *map(int, cuts), n]
+    return mpiattn.Layout([[(edges[r], edges[r + 1])] for r in range(P)][::-1] if P > 1
+                          else [[(0, n)]])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decode_after_prefill_is_the_last_rows_of_full_attention(comm, xp, case):
+    name, n0, appends, t, (H, Hkv), window, dtype, kind = case
+    L = n0 + sum(appends)
+    Q, K, V = _seq(len(name), H=H, Hkv=Hkv, L=L, dtype=dtype)
+    lay = _layout(kind, n0, comm.size)
+    cache = mpiattn.KVCache.from_shards(xp.asarray(mpiattn.shard(K[:, :, :n0], layout=lay)),
+                                        xp.asarray(mpiattn.shard(V[:, :, :n0], layout=lay)),
+                                        layout=lay, page=2)
+    ref = reference(Q, K, V, causal=True, window=window)
+    pos = n0
+    for a in appends:
+        cache.append(xp.asarray(K[:, :, pos:pos + a]), xp.asarray(V[:, :, pos:pos + a]))
+        pos += a
+        tt = min(t, pos)
+        used = {}
+        got = cache.attend(xp.asarray(Q[:, :, pos - tt:pos]), window=window, details=used)
+        _same_bits_everywhere(comm, *got)
+        _check(got, (ref.out[:, :, pos - tt:pos], ref.lse[:, :, pos - tt:pos]), dtype)
+        assert used["merge_words"] == Q.shape[0] * H * tt * (V.shape[3] + 1)
+    assert cache.length == L
+    assert comm.allgather_obj(cache.rows) == list(cache.placement.counts)
+    assert sum(cache.placement.counts) == L
+
+
+def test_appends_reach_every_rank_and_memory_stays_within_a_page(comm, xp):
+    Q, K, V = _seq(3, L=90)
+    page = 4
+    cache = mpiattn.KVCache.from_shards(xp.asarray(mpiattn.shard(K[:, :, :10])),
+                                        xp.asarray(mpiattn.shard(V[:, :, :10])), page=page)
+    for pos in range(10, 90, 2):
+        cache.append(xp.asarray(K[:, :, pos:pos + 2]), xp.asarray(V[:, :, pos:pos + 2]))
+    rows = comm.allgather_obj(cache.rows)
+    assert sum(rows) == 90 and min(rows) > 10 // comm.size  # every rank got appended rows
+    assert max(rows) <= -(-90 // comm.size) + page
+    row_bytes = 2 * 2 * (8 + 6) * 8
+    assert cache.nbytes < (cache.rows + page) * row_bytes
+    k, v, pos = cache.local()
+    np.testing.assert_array_equal(host(k), K[:, :, pos])  # rows kept at their global positions
+    np.testing.assert_array_equal(host(v), V[:, :, pos])
+    got = cache.attend(xp.asarray(Q[:, :, -1:]))
+    ref = reference(Q, K, V, causal=True)
+    _check(got, (ref.out[:, :, -1:], ref.lse[:, :, -1:]), "float64")
+
+
+def test_a_window_leaves_ranks_without_visible_keys_idle(comm):
+    Q, K, V = _seq(4, L=64)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
+    used = {}
+    got = cache.attend(Q[:, :, -1:], window=(5, 0), details=used)
+    blocks = comm.allgather_obj(used["blocks"])
+    assert blocks[-1] == 1 and (comm.size == 1 or blocks[0] == 0)  # only the last shard computes
+    ref = reference(Q, K, V, causal=True, window=(5, 0))
+    _check(got, (ref.out[:, :, -1:], ref.lse[:, :, -1:]), "float64")
+
+
+def test_non_causal_decode_sees_every_key(comm):
+    Q, K, V = _seq(5, L=30)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
+    got = cache.attend(Q[:, :, -3:], causal=False)
+    ref = reference(Q[:, :, -3:], K, V)
+    _check(got, (ref.out, ref.lse), "float64")
+
+
+@pytest.mark.parametrize("engine", [e for e in engines.ENGINES if e != "native"])
+def test_other_engines_decode_alike(comm, engine):
+    why = engines.get(engine).usable("numpy")
+    if why:
+        pytest.skip(why)
+    Q, K, V = _seq(6, L=40, dtype="float32")
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :36]), mpiattn.shard(V[:, :, :36]), page=3)
+    cache.append(K[:, :, 36:], V[:, :, 36:])
+    used = {}
+    got = cache.attend(Q[:, :, -4:], engine=engine, details=used)
+    assert used["engine"] == engine
+    ref = reference(Q, K, V, causal=True)
+    _check(got, (ref.out[:, :, -4:], ref.lse[:, :, -4:]), "float32")
+
+
+def test_placement_is_balanced_and_round_robin():
+    p = Placement.start([5, 5, 5], page=4)
+    runs, p = p.place(10)
+    assert runs == [(0, 0, 4), (1, 4, 8), (2, 8, 10)] and p.counts == (9, 9, 7)
+    runs, p = p.place(3)  # fills rank 2's open page (2 rows), then a new page: a tie, round-robin
+    assert runs == [(2, 0, 2), (0, 2, 3)] and p.counts == (10, 9, 9)
+    uneven = Placement.start([0, 30, 3], page=5)
+    for _ in range(20):
+        _, uneven = uneven.place(3)
+    assert max(uneven.counts) - min(uneven.counts) <= 5 + 27  # the big shard is not fed
+    assert uneven.counts[1] == 30
+    q = Placement.start([7, 7], page=3)
+    for t in (1, 2, 5, 1, 1, 7):
+        _, q = q.place(t)
+        assert max(q.counts) <= -(-q.total // 2) + 3
+
+
+# ------------------------------------------------------------------ bad input, on every rank
+def _errors(comm, fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+    else:
+        msg = None
+    got = comm.allgather_obj(msg)
+    assert got[0] is not None and all(g == got[0] for g in got), got
+    return got[0]
+
+
+def test_bad_decode_inputs_fail_alike_on_every_rank(comm):
+    Q, K, V = _seq(7, L=20)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
+    assert "head dim E = 5" in _errors(comm, lambda: cache.attend(np.zeros((2, 4, 1, 5))))
+    assert "multiple" in _errors(comm, lambda: cache.attend(np.zeros((2, 3, 1, 8))))
+    assert "dtype" in _errors(comm, lambda: cache.attend(Q[:, :, -1:].astype(np.float32)))
+    if comm.size > 1:
+        q = Q[:, :, -1:] + (comm.rank == comm.size - 1) * 1e-3
+        assert "ranks disagree on q's values" in _errors(comm, lambda: cache.attend(q))
+    assert "TypeError" in _errors(comm, lambda: cache.append(K[:, :, :1].astype(np.float32),
+                                                             V[:, :, :1].astype(np.float32)))
+    assert "(B, Hkv, t, 6)" in _errors(comm, lambda: cache.append(K[:, :, :1], K[:, :, :1]))
+    assert cache.length == 20  # nothing was appended
+    assert "engine" in _errors(comm, lambda: cache.attend(Q[:, :, -1:], engine="nope"))
+
+
+def test_decode_suite_smoke(serial_only, tmp_path):
+    """The decode suite runs at a tiny size and records its step, merge share and memory bound."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run([sys.executable, "-m", "mpiattn.bench.decode", "--cache", "2048", "--repeats", "2",
+                        "--page", "256", "--heads", "4", "--kv-heads", "2", "--dim", "16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["P"] == 1 and rec["step_ms"] > 0 and len(rec["step_ms_all"]) == 2
+    assert 0 <= rec["merge_share"] < 1 and rec["cache_mib_per_rank"] <= rec["bound_mib"]
+    assert "decode P=1 cache=2048" in p.stdout and "blas" in p.stdout

@@ -1,0 +1,163 @@
+"""Chunked prefill (pass-KV, pass-Q, the rule between them) and caches kept in HDF5 across jobs.
+
+Chunked prefill must equal full causal attention over the whole sequence (float64
+reference on the gathered arrays); a cache saved at P ranks and loaded at P' (a
+sub-communicator of the run) must continue exactly like one that never left memory; bad
+files give one clear error on every rank and nothing is half-written.
+"""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpiattn
+from mpiattn.inference.prefill import choose
+from mpiattn.strategies import machines
+
+from helpers import host, reference
+
+
+def _seq(seed, B=1, H=4, Hkv=2, L=70, E=8, Ev=5):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, H, L, E)), rng.standard_normal((B, Hkv, L, E)),
+            rng.standard_normal((B, Hkv, L, Ev)))
+
+
+@pytest.mark.parametrize("variant", ["pass-kv", "pass-q", "auto"])
+@pytest.mark.parametrize("window,layout", [(None, "contiguous"), ((9, 0), "zigzag"), ((4, 3), "contiguous")])
+def test_chunked_prefill_equals_full_attention(comm, xp, variant, window, layout):
+    Q, K, V = _seq(11)
+    ref = reference(Q, K, V, causal=True, window=window)
+    n0 = 23
+    cache = mpiattn.KVCache.from_shards(xp.asarray(mpiattn.shard(K[:, :, :n0])),
+                                        xp.asarray(mpiattn.shard(V[:, :, :n0])), page=3)
+    cache.append(xp.asarray(K[:, :, n0:n0 + 4]), xp.asarray(V[:, :, n0:n0 + 4]))
+    pos = n0 + 4
+    for C in (17, 1, 22):  # chunks after a prefill and appends; each kept in the cache
+        sl = slice(pos, pos + C)
+        used = {}
+        out, lse = cache.prefill(*(xp.asarray(mpiattn.shard(x[:, :, sl], layout=layout))
+                                   for x in (Q, K, V)), layout=layout, variant=variant,
+                                 window=window, details=used)
+        assert used["variant"] in ("pass-kv", "pass-q") and (variant == "auto" or used["variant"] == variant)
+        got_o = host(mpiattn.gather(out, layout=layout, root=None))
+        got_l = host(mpiattn.gather(lse, axis=-1, layout=layout, root=None))
+        np.testing.assert_allclose(got_o, ref.out[:, :, sl], atol=1e-12)
+        np.testing.assert_allclose(got_l, ref.lse[:, :, sl], atol=1e-12)
+        pos += C
+    assert cache.length == pos
+    got = cache.attend(xp.asarray(Q[:, :, pos - 2:pos]), window=window)  # decode after the chunks
+    np.testing.assert_allclose(host(got[0]), ref.out[:, :, pos - 2:pos], atol=1e-12)
+
+
+def test_the_rule_picks_pass_q_for_short_chunks_and_pass_kv_for_long_ones():
+    m = machines.PROFILES["h200-nvlink-ndr"]
+    args = dict(B=1, H=32, Hkv=8, E=128, Ev=128, itemsize=2, machine=m, rate_dtype="bfloat16")
+    assert choose(8, 128, 1_000_000, between_nodes=True, **args).variant == "pass-q"
+    assert choose(8, 128_000, 0, between_nodes=True, **args).variant == "pass-kv"
+    cpu = dict(args, machine=machines.PROFILES["cpu-node"], rate_dtype="float32", itemsize=4)
+    assert choose(2, 1, 100_000, between_nodes=False, **cpu).variant == "pass-q"
+    assert choose(2, 100_000, 1_000, between_nodes=False, **cpu).variant == "pass-kv"
+    assert choose(1, 100, 100, between_nodes=False, **cpu).variant == "pass-q"
+
+
+def test_bad_prefill_chunks_fail_alike(comm):
+    Q, K, V = _seq(12)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :30]), mpiattn.shard(V[:, :, :30]))
+    msgs = []
+    for bad in [dict(q=Q[..., :5]), dict(k=K.astype(np.float32)), dict(variant="pass-x")]:
+        kw = {"q": mpiattn.shard(Q[:, :, 30:40]), "k": mpiattn.shard(K[:, :, 30:40]),
+              "v": mpiattn.shard(V[:, :, 30:40]), "variant": "auto"}
+        for name, x in bad.items():
+            kw[name] = x if name == "variant" else mpiattn.shard(x[:, :, 30:40])
+        try:
+            cache.prefill(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+        except (ValueError, TypeError) as exc:
+            msgs.append(str(exc))
+    got = comm.allgather_obj(msgs)
+    assert len(got[0]) == 3 and all(g == got[0] for g in got), got
+    assert cache.length == 30
+
+
+# ------------------------------------------------------------------ files
+def _groups(comm):
+    """Sub-communicators of other sizes than the run's: the first half and the rest (one rank: itself)."""
+    world = MPI.COMM_WORLD
+    half = max(1, world.Get_size() // 2)
+    return world.Split(0 if world.Get_rank() < half else 1, world.Get_rank())
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_save_at_p_load_at_other_p_and_continue(comm, shared_dir, dtype):
+    Q, K, V = (x.astype(dtype) for x in _seq(13, L=80))
+    path = os.path.join(shared_dir, "cache.h5")
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :40], layout="zigzag"),
+                                        mpiattn.shard(V[:, :, :40], layout="zigzag"),
+                                        layout="zigzag", page=3)
+    cache.append(K[:, :, 40:47], V[:, :, 40:47])
+    cache.save(path)
+    before = cache.attend(Q[:, :, 45:47])
+    ref = reference(Q, K, V, causal=True)
+    sub = _groups(comm)
+    try:
+        loaded = mpiattn.KVCache.load(path, sub)
+        assert loaded.length == 47 and loaded.page == 3 and loaded.dtype == np.dtype(dtype)
+        again = loaded.attend(Q[:, :, 45:47])
+        np.testing.assert_allclose(host(again[0]), host(before[0]), atol=1e-6 if dtype == "float32" else 1e-13)
+        for pos in range(47, 80, 11):  # continue: appends and decode steps on the new rank count
+            loaded.append(K[:, :, pos:pos + 11], V[:, :, pos:pos + 11])
+            out, lse = loaded.attend(Q[:, :, pos + 10:pos + 11])
+            tol = 2e-5 if dtype == "float32" else 1e-12
+            np.testing.assert_allclose(host(out), ref.out[:, :, pos + 10:pos + 11], atol=tol)
+            np.testing.assert_allclose(host(lse), ref.lse[:, :, pos + 10:pos + 11], atol=tol)
+    finally:
+        sub.Free()
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["k"][...], K[:, :, :47])
+        assert f.attrs["length"] == 47 and f.attrs["ranks"] == comm.size
+
+
+def _agreed(comm, fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - compared below
+        msg = f"{type(exc).__name__}: {exc}"
+    else:
+        msg = None
+    got = comm.allgather_obj(msg)
+    assert got[0] is not None and all(g == got[0] for g in got), got
+    return got[0]
+
+
+def test_bad_cache_files_fail_alike_and_nothing_is_half_written(comm, shared_dir):
+    Q, K, V = _seq(14, L=30)
+    path = os.path.join(shared_dir, "cache.h5")
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
+    cache.save(path)
+    assert "exists" in _agreed(comm, lambda: cache.save(path))  # no clobbering without force
+    variants = {}
+    if comm.rank == 0:
+        with open(path, "rb") as f:
+            data = f.read()
+        for name, change in [("axes", lambda f: f.attrs.__setitem__("axes", "batch,position,kv_heads,feature")),
+                             ("length", lambda f: f.attrs.__setitem__("length", 31)),
+                             ("format", lambda f: f.attrs.__setitem__("format", "something else"))]:
+            p = os.path.join(shared_dir, f"{name}.h5")
+            with open(p, "wb") as f:
+                f.write(data)
+            with h5py.File(p, "r+") as f:
+                change(f)
+        with open(os.path.join(shared_dir, "truncated.h5"), "wb") as f:
+            f.write(data[: len(data) // 2])
+    comm.barrier()
+    load = lambda name: (lambda: mpiattn.KVCache.load(os.path.join(shared_dir, name)))  # noqa: E731
+    assert "another layout of the cache" in _agreed(comm, load("axes.h5"))
+    assert "damaged or unfinished" in _agreed(comm, load("length.h5"))
+    assert "not an mpiattn key/value cache" in _agreed(comm, load("format.h5"))
+    assert "truncated file" in _agreed(comm, load("truncated.h5"))
+    assert "does not exist" in _agreed(comm, load("missing.h5"))
+    leftovers = [n for n in os.listdir(shared_dir) if n.startswith(".")]
+    assert leftovers == []
