@@ -17,7 +17,9 @@ It measures, with every rank placed as the job places them
 * the attention rate of one rank per dtype, forward and backward, with every
   rank computing at once (so that a shared node's contention is in the
   number), on ``--rows`` query and key rows of ``--heads`` heads of ``--dim``;
-* the memory per rank (the device's, else the node's divided by its ranks).
+* the memory per rank (the device's, else the node's divided by its ranks),
+  and the bandwidth at which a rank reads it while every rank does (what
+  bounds a decode step).
 
 A link class the allocation lacks (``between`` on one node) and the
 overlap of transfers with compute come from the device's profile
@@ -152,6 +154,18 @@ def _rates(c: Any, xp: Any, args: Any) -> tuple[dict, float, dict]:
     return rates, float(np.median(ratios)), detail
 
 
+def _bandwidth(c: Any, xp: Any, nbytes: int, repeat: int) -> float:
+    """Bytes per second one rank reads from memory while every rank does (a sum over ``nbytes``)."""
+    x = xp.ones(nbytes // 8, dtype=np.float64)
+    best = math.inf
+    for _ in range(repeat + 1):
+        c.barrier()
+        t = time.perf_counter()
+        float(x.sum())
+        best = min(best, time.perf_counter() - t)
+    return nbytes / max(c.allgather_obj(best))
+
+
 def _sync(xp: Any) -> None:
     if xp is not np:
         xp.cuda.get_current_stream().synchronize()
@@ -193,9 +207,13 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
     sources["overlap"] = f"not measured: profile {profile.name}'s ({profile.sources.get('overlap', '')})"
     sources["memory"] = "measured: the device's memory" if xp is not np else \
         "measured: the node's physical memory divided by its ranks"
+    say("  measuring the memory bandwidth (every rank reads at once)")
+    bandwidth = _bandwidth(c, xp, 16 * nbytes, args.repeat)
+    sources["memory_bandwidth"] = (f"measured: a sum over {16 * args.megabytes} MiB on every rank at "
+                                   "once, the slowest rank's best")
     name = args.name or c.bcast_obj(socket.gethostname())
     return Machine(name, links["inside"], links["between"], rates, ratio, profile.overlap,
-                   _memory(c, xp) if c.rank == 0 else 0.0, sources)
+                   _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources)
 
 
 def cmd_calibrate(args: Any, con: Any) -> int:

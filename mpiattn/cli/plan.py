@@ -1,5 +1,10 @@
 """``python -m mpiattn plan``: what every strategy would cost on a machine, and what ``auto`` picks.
 
+With ``--cache M`` it also predicts inference over a KV cache of ``M`` rows
+sharded over the ranks: a decode step of ``--new-tokens`` queries
+(:func:`mpiattn.inference.decode.predict_step`) and a chunked prefill of
+``--chunk`` rows (:func:`mpiattn.inference.prefill.choose`: pass-KV or pass-Q).
+
 Nothing runs and nothing is sent: the problem (``--seq``, ``--heads``, ...)
 and the machine (``--nodes`` x ``--ranks-per-node`` ranks, ``--hardware``
 profile or ``--calibration`` file) go through the cost model
@@ -20,7 +25,11 @@ import json
 import sys
 from typing import Any
 
+import numpy as np
+
 from ..comm.topology import Topology
+from ..inference import prefill
+from ..inference.decode import predict_step
 from ..kernels import engines
 from ..strategies import AttentionSpec, Options, machines, registry
 from .common import UsageError
@@ -56,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any, window: Any) ->
                          f"{machines.DEFAULT_FOR_DEVICE['cupy']})")
     hw.add_argument("--calibration", default=None, metavar="FILE",
                     help="a machine measured by `python -m mpiattn calibrate`")
+    i = p.add_argument_group("inference (with --cache: a decode step and a chunked prefill)")
+    i.add_argument("--cache", type=positive_int, default=None, metavar="M",
+                   help="rows in a KV cache sharded over the ranks: also predict decode and prefill")
+    i.add_argument("--new-tokens", type=positive_int, default=1, metavar="T",
+                   help="queries per decode step (default 1)")
+    i.add_argument("--chunk", type=positive_int, default=None, metavar="C",
+                   help="rows of a prefill chunk against the cache (default --seq)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -82,6 +98,7 @@ def build(args: Any) -> dict:
     block = args.block_size or engines.get(engines.AUTO[0]).block_rows(spec, -(-M // P))
     rows = registry.table(spec, topo, block, machine, rate_dtype=args.dtype)
     return {
+        "inference": None if args.cache is None else _inference(args, Hkv, Ev, topo, machine),
         "problem": {"B": args.batch, "H": args.heads, "Hkv": Hkv, "N": args.seq, "M": M, "E": args.dim,
                     "Ev": Ev, "dtype": args.dtype, "causal": args.causal,
                     "window": None if args.window is None else list(args.window), "block": block},
@@ -89,6 +106,24 @@ def build(args: Any) -> dict:
         "auto": next((r.label for r in rows if r.auto), None),
         "rows": [_row(r) for r in rows],
     }
+
+
+def _inference(args: Any, Hkv: int, Ev: int, topo: Topology, machine: Any) -> dict:
+    """Decode step and chunked prefill against a cache of ``--cache`` rows, on P ranks and on one."""
+    P, M, t, C = topo.P, args.cache, args.new_tokens, args.chunk or args.seq
+    size = 2 if args.dtype in ("bfloat16", "float16") else np.dtype(args.dtype).itemsize
+    shape = dict(B=args.batch, H=args.heads, Hkv=Hkv, E=args.dim, Ev=Ev, itemsize=size,
+                 machine=machine, rate_dtype=args.dtype)
+    step = predict_step(P, t, M, between_nodes=topo.n_nodes > 1, **shape)
+    one = predict_step(1, t, M, between_nodes=False, **shape)
+    pre = prefill.choose(P, C, M, between_nodes=topo.n_nodes > 1, **shape)
+    pre_one_s = 2.0 * args.batch * args.heads * (args.dim + Ev) * (C * M + C * (C + 1) / 2) / \
+        machine.rate(args.dtype)  # one rank: the compute alone
+    return {"cache": M, "new_tokens": t, "chunk": C,
+            "decode": {**step, "one_rank_s": one["step_s"], "speedup": one["step_s"] / step["step_s"]},
+            "prefill": {"variant": pre.variant, "pass_kv_s": pre.pass_kv_s, "pass_q_s": pre.pass_q_s,
+                        "pass_kv_bytes": pre.pass_kv_bytes, "pass_q_bytes": pre.pass_q_bytes,
+                        "one_rank_s": pre_one_s}}
 
 
 def _row(r: registry.Row) -> dict:
@@ -124,6 +159,18 @@ def render(plan: dict) -> str:
                      f"{r['inside_bytes'] / MiB:>11.1f} {r['between_bytes'] / MiB:>11.1f} "
                      f"{r['memory_bytes'] / GiB:>9.2f} {r['efficiency']:>7.3f}{note}")
     lines.append(f"auto: {plan['auto']}")
+    inf = plan["inference"]
+    if inf is not None:
+        d, f, P = inf["decode"], inf["prefill"], mc["nodes"] * mc["ranks_per_node"]
+        chosen = f["pass_q_s"] if f["variant"] == "pass-q" else f["pass_kv_s"]
+        lines += [f"inference against a cache of {inf['cache']:,} rows sharded over the ranks:",
+                  f"  decode step, {inf['new_tokens']} new token(s): {d['step_s'] * 1e3:.4g} ms (compute "
+                  f"{d['compute_s'] * 1e3:.3g}, memory read {d['read_s'] * 1e3:.3g}, merge "
+                  f"{d['merge_s'] * 1e3:.3g} ms); one rank {d['one_rank_s'] * 1e3:.4g} ms: "
+                  f"{d['speedup']:.3g}x, efficiency {d['speedup'] / P:.3f}",
+                  f"  chunked prefill of {inf['chunk']:,} rows: pass-kv {f['pass_kv_s']:.4g} s, pass-q "
+                  f"{f['pass_q_s']:.4g} s -> {f['variant']}; one rank {f['one_rank_s']:.4g} s: "
+                  f"efficiency {f['one_rank_s'] / chosen / P:.3f}"]
     return "\n".join(lines)
 
 

@@ -34,13 +34,14 @@ from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import DEFAULT_TILE, engines
 from ..masks import MaskSpec
+from ..strategies.machines import Machine
 from ..strategies.problem import FUSED_VARIABLE
 from ..strategies.spec import AttentionSpec, Options
 from .local import Rules, partial_attention
 from .merge import tree_merge
 from .shard import Shard
 
-__all__ = ["decode", "checksum", "step_spec", "Step"]
+__all__ = ["decode", "checksum", "step_spec", "Step", "predict_step"]
 
 
 def checksum(x: Any) -> int:
@@ -156,3 +157,30 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     if used is not None:
         used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
     return o.astype(spec.dtype, copy=False), lse
+
+
+def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
+                 machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> dict:
+    """The cost model's decode step: ``t`` new queries against a cache of ``M`` rows on ``P`` ranks.
+
+    Per rank: compute ``2 B H (E + Ev) t M / P`` FLOPs at the machine's rate, or
+    reading its ``M / P x B Hkv (E + Ev)`` cached words at its memory bandwidth,
+    whichever is longer (a decode step is memory-bound for small ``t``); then the
+    tree merge: ``2 ceil(log2 P)`` messages of ``B t H (Ev + 1)`` accumulation
+    words over the slowest link the tree uses (between nodes when there are several).
+
+    Returns
+    -------
+    dict
+        ``compute_s``, ``read_s``, ``merge_s``, ``step_s`` (seconds) and ``merge_bytes``.
+    """
+    acc = 8 if itemsize == 8 else 4
+    compute = 2.0 * B * H * (E + Ev) * t * M / P / machine.rate(rate_dtype)
+    read = (M / P * B * Hkv * (E + Ev) * itemsize / machine.memory_bandwidth
+            if machine.memory_bandwidth > 0 else 0.0)
+    steps = 2 * math.ceil(math.log2(P)) if P > 1 else 0
+    words = B * t * H * (Ev + 1)
+    link = machine.between if between_nodes else machine.inside
+    merge_s = steps * link.time(words * acc) if steps else 0.0
+    return {"compute_s": compute, "read_s": read, "merge_s": merge_s,
+            "step_s": max(compute, read) + merge_s, "merge_bytes": float(words * acc)}

@@ -66,6 +66,9 @@ class Machine:
         The fraction of a ring's transfer time that can hide behind compute.
     memory : float
         Bytes one rank may use (0: unknown, everything fits).
+    memory_bandwidth : float
+        Bytes per second one rank reads from its memory while every rank does
+        (what bounds a decode step; 0: unknown, compute alone).
     sources : dict of str to str
         Where each number comes from.
     """
@@ -77,6 +80,7 @@ class Machine:
     backward_ratio: float = 0.8
     overlap: float = 1.0
     memory: float = 0.0
+    memory_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
 
     def fits(self, nbytes: float) -> bool:
@@ -101,6 +105,7 @@ class Machine:
                        rates={str(k): float(v) for k, v in d["rates"].items()},
                        backward_ratio=float(d.get("backward_ratio", 0.8)),
                        overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
+                       memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
                        sources=dict(d.get("sources", {})))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a machine description: {exc}") from None
@@ -121,8 +126,10 @@ PROFILES: dict[str, Machine] = {
         name="h200-nvlink-ndr",
         inside=Link(3e-6, 350e9), between=Link(5e-6, 45e9),
         rates={"bfloat16": 600e12, "float16": 600e12, "float32": 60e12, "float64": 30e12},
-        backward_ratio=0.75, overlap=0.9, memory=141e9 * 0.9,
+        backward_ratio=0.75, overlap=0.9, memory=141e9 * 0.9, memory_bandwidth=4.3e12,
         sources={
+            "memory_bandwidth": "4.8 TB/s HBM3e per H200 (NVIDIA H200 datasheet); 90 % of it "
+                                "as a streaming read achieves",
             "memory": "141 GB HBM3e per H200 (NVIDIA H200 datasheet); 90 % usable",
             "inside": "NVLink 4 on H200 SXM: 900 GB/s bidirectional per GPU (NVIDIA H200 "
                       "datasheet); 350 GB/s one way as achievable all-to-all bus bandwidth "
@@ -144,8 +151,11 @@ PROFILES: dict[str, Machine] = {
         name="cpu-node",
         inside=Link(2e-6, 8e9), between=Link(2e-6, 12e9),
         rates={"bfloat16": 60e9, "float16": 40e9, "float32": 80e9, "float64": 40e9},
-        backward_ratio=0.85, overlap=0.0, memory=8 * 2**30,
+        backward_ratio=0.85, overlap=0.0, memory=8 * 2**30, memory_bandwidth=13e9,
         sources={
+            "memory_bandwidth": "an assumption, not a measurement: a dual-socket node with 16 "
+                                "DDR5-4800 channels (38.4 GB/s each by JEDEC's rate, 614 GB/s), "
+                                "70 % achievable, shared by 32 ranks: 13 GB/s each",
             "memory": "an assumption, not a measurement: a dual-socket node of 256 GiB with one "
                       "rank per core on 32 cores, 8 GiB each (calibrate measures the real one)",
             "inside": "shared-memory MPI point-to-point: about 2 us and 7-10 GB/s (" + _ENV + ")",

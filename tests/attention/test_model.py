@@ -92,7 +92,8 @@ def test_machine_files_round_trip(tmp_path):
     with pytest.raises(ValueError, match="neither a profile"):
         machines.load(str(tmp_path / "missing.json"))
     for m in machines.PROFILES.values():  # every number cites its source
-        assert {"inside", "between", "rates", "backward_ratio", "overlap", "memory"} <= set(m.sources)
+        assert {"inside", "between", "rates", "backward_ratio", "overlap", "memory",
+                "memory_bandwidth"} <= set(m.sources)
 
 
 def test_a_call_names_its_machine(comm, monkeypatch):
@@ -151,7 +152,7 @@ def test_calibrate_writes_a_machine_auto_can_use(comm, capsys, shared_dir):
     m = machines.load(path)
     assert m.inside.latency_s > 0 and m.inside.bandwidth > 0 and m.between.bandwidth > 0
     assert all(m.rates[d] > 0 for d in ("float64", "float32", "float16", "bfloat16"))
-    assert m.memory > 0 and "measured" in m.sources["rates"]
+    assert m.memory > 0 and m.memory_bandwidth > 0 and "measured" in m.sources["rates"]
     if comm.topology.n_nodes == 1:
         assert "not measured" in m.sources["between"]
     if comm.size > 1:
@@ -161,3 +162,20 @@ def test_calibrate_writes_a_machine_auto_can_use(comm, capsys, shared_dir):
     used = {}
     mpiattn.attention(q, q, q, machine=path, details=used)
     assert m.name in used["strategy_reason"]
+
+
+def test_plan_predicts_decode_and_prefill(comm, capsys):
+    argv = ["plan", "--seq", "65536", "--heads", "8", "--dim", "128", "--dtype", "float32", "--nodes", "2",
+            "--ranks-per-node", "4", "--cache", "262144", "--chunk", "2048", "--json"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    if comm.rank:
+        return
+    inf = json.loads(out)["inference"]
+    d, f = inf["decode"], inf["prefill"]
+    m = machines.PROFILES["h200-nvlink-ndr"]
+    read = 262144 / 8 * 8 * 256 * 4 / m.memory_bandwidth  # each rank reads its eighth of the cache
+    assert d["read_s"] == pytest.approx(read) and d["step_s"] == pytest.approx(max(read, d["compute_s"])
+                                                                              + d["merge_s"])
+    assert 1 < d["speedup"] <= 8 and d["merge_bytes"] == 8 * 129 * 4
+    assert f["variant"] in ("pass-kv", "pass-q") and f["one_rank_s"] > min(f["pass_kv_s"], f["pass_q_s"])
