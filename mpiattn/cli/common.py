@@ -48,7 +48,8 @@ class Parser(argparse.ArgumentParser):
     """
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
-        if args is not None:
+        causal = self._option_string_actions.get("--causal")
+        if args is not None and causal is not None and causal.nargs == "?":
             args = list(args)
             for i, word in enumerate(args[:-1]):
                 after = args[i + 1]

@@ -45,6 +45,7 @@ from ..kernels.engine import Engine
 from ..layouts import Layout
 from ..strategies.api import attention
 from ..strategies.machines import Machine
+from ..strategies.ring import Ring
 from .local import Rules, partial_attention
 from .merge import merge
 from .shard import Shard
@@ -121,7 +122,7 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
     pos = np.concatenate([pc, length + chunk_pos])
     kv_layout = Layout(c.allgather_obj(runs_of(pos)))
     causal = "bottom-right" if options.get("causal", True) else False
-    return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy="ring",
+    return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy=Ring.name,
                      **{**options, "causal": causal})
 
 

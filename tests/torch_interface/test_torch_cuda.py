@@ -1,7 +1,7 @@
 """mpiattn.torch on CUDA tensors (DLPack to CuPy, torch's stream): skipped without a GPU.
 
 Run by a session or job that has one (``jobs/gpu_check.sh`` runs the CuPy suite; these run
-with ``python -m pytest tests/torch -q --with-mpi`` there, at 1 and 2 ranks).
+with ``python -m pytest tests/torch_interface -q --with-mpi`` there, at 1 and 2 ranks).
 """
 
 import contextlib
