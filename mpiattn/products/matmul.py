@@ -44,6 +44,11 @@ Conventions shared by all functions here
   it is computed from metadata every rank has, so it is the same everywhere.
 * Bad input raises the same ValueError/TypeError on every rank: one metadata
   allgather per call decides it before any data moves.
+* One rank (P = 1) with float32/float64 input runs no ring: the product is
+  one local ``matmul`` of the operands (no pieces, partial sums or
+  temporaries; no extra memory beyond the result), unless an explicit
+  :class:`mpiattn.Layout` stores the travelling rows out of global order.
+  float16 keeps the ring at P = 1, so its float32 copies stay piece-sized.
 
 Costs below use ``P`` ranks, ``L`` = the number of leading-index
 combinations of the result, ``L_b`` those of ``b``, ``k`` = block size, and
@@ -60,7 +65,7 @@ import numpy as np
 from .. import backend
 from ..comm.core import Comm, get_comm
 from ..comm.ring import circulate
-from ..layouts import local_lengths
+from ..layouts import all_segments, local_lengths
 from .plan import Plan, Shape, gather_meta, plan_nn, plan_nt, plan_tn
 
 __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
@@ -69,25 +74,57 @@ __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
 
 # --------------------------------------------------------------- ring kernels
 def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
-    """``out[...] = x @ y``, straight into ``out`` where the namespace allows."""
+    """``out[...] = x @ y``, straight into ``out`` where the namespace allows.
+
+    NumPy writes the product through ``out`` (any strides BLAS can address,
+    e.g. a column block of a wider matrix) when all three dtypes agree;
+    otherwise (CuPy, or a float32 product into a float16 tile) the product
+    is computed into a temporary and copied.
+    """
     if xp is np and out.dtype == x.dtype == y.dtype:
         np.matmul(x, y, out=out)
     else:
         out[...] = xp.matmul(x, y)
 
 
+def _one_matmul(c: Comm, dtype: np.dtype, n_ring: int, layout: Any) -> bool:
+    """True when the product is one local matmul: one rank, no dtype conversion, rows in global order.
+
+    With P = 1 nothing travels, so the ring would only split the product
+    into pieces (and, for nn/tn, add them up); one ``matmul`` of the whole
+    operands does the same arithmetic with no piece copies, partial sums or
+    temporaries. float16 keeps the ring: its float32 copies stay
+    piece-sized. An explicit :class:`~mpiattn.Layout` may store the ``n_ring``
+    rows out of global order; then the ring (which addresses global
+    positions) is used.
+    """
+    if c.size != 1 or backend.accum_dtype(dtype) != dtype:
+        return False
+    pos = 0
+    for g, ln in all_segments(n_ring, 1, layout)[0]:
+        if g != pos:
+            return False
+        pos += ln
+    return True
+
+
 def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(a, xp.swapaxes(b, -1, -2))
     work = backend.accum_dtype(a.dtype)
     out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
     a_w = a.astype(work, copy=False)
     with c.abort_on_error():
         for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
             b_w = piece.data[0].astype(work, copy=False)
+            # NumPy, float32/float64: BLAS writes the column block of ``out`` in place
             _matmul_into(xp, a_w, xp.swapaxes(b_w, -1, -2), out[..., piece.start:piece.stop])
     return out
 
 
 def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(a, b)
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     with c.abort_on_error():
@@ -98,6 +135,8 @@ def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -
 
 
 def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(xp.swapaxes(a, -1, -2), b)
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     b_w = b.astype(work, copy=False)
@@ -156,7 +195,8 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     received. Peak extra memory: about three pieces of B, ``3·L_b·k·d``
     words, plus sends not yet completed (one piece ahead per peer in
     practice); for float16 also float32 copies of ``a`` and of one output tile
-    (``L·n_r·k``). The result itself is ``L·n_r·M`` words.
+    (``L·n_r·k``). The result itself is ``L·n_r·M`` words. At P = 1
+    (float32/float64) one local matmul: nothing sent, no extra memory.
     """
     c = get_comm(comm)
     op = "matmul_nt"
@@ -190,6 +230,7 @@ def matmul_nn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     pieces in flight plus the accumulator and one product, ``2·L·n_r·d``
     (accumulation dtype; for float32/float64 the accumulator is the result);
     for float16 also a float32 copy of a ``n_r x k`` column block of ``a``.
+    At P = 1 (float32/float64) one local matmul: no extra memory.
     """
     c = get_comm(comm)
     op = "matmul_nn"
@@ -227,7 +268,8 @@ def matmul_tn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     about ``4·L·k·d`` accumulation-dtype words (pieces in flight and one
     product), plus sends not yet completed; for float16 also the float32
     result accumulator (``L·n_r·d``), a float32 copy of ``b`` and of one
-    ``k x m_r`` block of ``aᵀ``.
+    ``k x m_r`` block of ``aᵀ``. At P = 1 (float32/float64) one local
+    matmul: no extra memory.
     """
     c = get_comm(comm)
     op = "matmul_tn"
