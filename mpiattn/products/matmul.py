@@ -49,6 +49,9 @@ Conventions shared by all functions here
   temporaries; no extra memory beyond the result), unless an explicit
   :class:`mpiattn.Layout` stores the travelling rows out of global order.
   float16 keeps the ring at P = 1, so its float32 copies stay piece-sized.
+* With NumPy, products are written straight into their destination: nt's
+  column block of the result, nn's accumulator (first piece) or one reused
+  product buffer that is then added (nn's later pieces, tn's partial sums).
 
 Costs below use ``P`` ranks, ``L`` = the number of leading-index
 combinations of the result, ``L_b`` those of ``b``, ``k`` = block size, and
@@ -85,6 +88,26 @@ def _matmul_into(xp: ModuleType, x: Any, y: Any, out: Any) -> None:
         np.matmul(x, y, out=out)
     else:
         out[...] = xp.matmul(x, y)
+
+
+def _add_product(xp: ModuleType, x: Any, y: Any, acc: Any, scratch: Any) -> Any:
+    """``acc += x @ y``; returns the scratch buffer to pass to the next call.
+
+    With NumPy the product goes into ``scratch``, (re)allocated only when it
+    has fewer rows than ``acc`` (pieces of one ring share the leading shape
+    and the columns), so a ring allocates one product buffer instead of one
+    per piece. ``acc`` may be a view.
+    """
+    if xp is np and acc.dtype == x.dtype == y.dtype:
+        k = acc.shape[-2]
+        if scratch is None or scratch.shape[-2] < k:
+            scratch = np.empty(acc.shape, dtype=acc.dtype)
+        prod = scratch[..., :k, :]
+        np.matmul(x, y, out=prod)
+        acc += prod
+    else:
+        acc += xp.matmul(x, y)
+    return scratch
 
 
 def _one_matmul(c: Comm, dtype: np.dtype, n_ring: int, layout: Any) -> bool:
@@ -127,10 +150,15 @@ def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -
         return xp.matmul(a, b)
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    scratch = None
     with c.abort_on_error():
-        for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
+        for i, piece in enumerate(circulate(c, (b,), plan.n_ring, layout, plan.block)):
             a_cols = a[..., piece.start:piece.stop].astype(work, copy=False)
-            acc += xp.matmul(a_cols, piece.data[0].astype(work, copy=False))
+            b_w = piece.data[0].astype(work, copy=False)
+            if i == 0:  # the first product initialises the accumulator
+                _matmul_into(xp, a_cols, b_w, acc)
+            else:
+                scratch = _add_product(xp, a_cols, b_w, acc, scratch)
     return acc.astype(a.dtype, copy=False)
 
 
@@ -140,11 +168,12 @@ def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -
     work = backend.accum_dtype(a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     b_w = b.astype(work, copy=False)
+    scratch = None
     with c.abort_on_error():
         for piece in circulate(c, (), plan.n_ring, layout, plan.block, acc_out=(acc,)):
             a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(work, copy=False)
-            partial = piece.acc[0]  # a view: add in place (never rebind the tuple item)
-            partial += xp.matmul(a_cols_t, b_w)
+            # a view: add in place (never rebind the tuple item)
+            scratch = _add_product(xp, a_cols_t, b_w, piece.acc[0], scratch)
     return acc.astype(a.dtype, copy=False)
 
 

@@ -192,6 +192,35 @@ def test_one_rank_float32_runs_no_ring(comm, xp, op, monkeypatch):
         assert bool(calls) == (ring or comm.size > 1), (dtype, layout)
 
 
+def test_product_scratch_grows_with_the_pieces(comm, xp):
+    """tn: a short first piece, then longer ones (the product buffer is reallocated, results exact)."""
+    n = 15
+    P = comm.size
+    cuts = [0, 1] + [1 + (r * (n - 1)) // max(1, P - 1) for r in range(1, P)]
+    layout = mpiattn.Layout([[(a, b)] for a, b in zip(cuts[:-1], cuts[1:])] if P > 1 else [[(0, n)]])
+    for op in OPS:
+        A, B = make(op, n, n, 3, (2,), (), seed=47)
+        got = host(run(op, A, B, xp, layout))
+        np.testing.assert_array_equal(got, rows(reference(op, A, B), layout))
+
+
+def test_add_product_reuses_and_grows_its_buffer(xp):
+    from mpiattn.products import matmul as mm
+    rng = np.random.default_rng(53)
+    x1, x3 = rng.integers(-3, 4, (2, 1, 4)).astype(np.float64), rng.integers(-3, 4, (2, 3, 4)).astype(np.float64)
+    y = rng.integers(-3, 4, (4, 5)).astype(np.float64)
+    acc = xp.zeros((2, 3, 5))
+    s1 = mm._add_product(xp, xp.asarray(x1), xp.asarray(y), acc[:, :1], None)
+    s2 = mm._add_product(xp, xp.asarray(x3), xp.asarray(y), acc, s1)       # grows
+    s3 = mm._add_product(xp, xp.asarray(x1), xp.asarray(y), acc[:, 2:], s2)  # reused
+    want = x3 @ y
+    want[:, :1] += x1 @ y
+    want[:, 2:] += x1 @ y
+    np.testing.assert_array_equal(host(acc), want)
+    if xp is np:
+        assert s1.shape == (2, 1, 5) and s2.shape == (2, 3, 5) and s3 is s2
+
+
 # ---------------------------------------------------------------- rounding
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", OPS)
