@@ -34,12 +34,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["CollectiveError", "Agreed", "mark", "alike", "same_everywhere", "agree_fields", "agree",
            "allgather_checked", "abort_on_error", "raise_first", "claim_ending", "abort_job",
-           "DEFER_S"]
+           "DEFER_S", "SETTLE_S"]
 
 #: Seconds a rank other than 0 waits before it aborts a job: when every rank
 #: fails (a full disk, a signal sent to all), rank 0's abort comes first and
 #: its message is the only one.
 DEFER_S = 3.0
+
+#: Seconds rank 0 waits before it aborts a job over an environmental error
+#: (``OSError``, ``MemoryError``). Such an error is often the echo of a
+#: signal on another rank (whose handler removed the temporary file being
+#: written collectively); when the signal reaches rank 0 meanwhile, its
+#: handler ends the job and names the signal, and this error stays silent.
+SETTLE_S = 1.0
 
 #: Seconds between the last words of an aborting rank and the abort, so that the launcher
 #: (which relays every rank's output) has passed them on before it kills the job.
@@ -224,7 +231,9 @@ def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> It
     propagates normally. The failing rank prints one message (with the
     traceback for errors that look like bugs); ranks other than 0 wait
     :data:`DEFER_S` seconds first, so that when every rank fails only rank
-    0's message appears.
+    0's message appears, and rank 0 waits :data:`SETTLE_S` seconds before
+    reporting an environmental error, so that a signal arriving at the same
+    time is what the message names.
     """
     try:
         yield
@@ -233,9 +242,8 @@ def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> It
         if size == 1:
             raise
         rank = mpi_comm.Get_rank()
-        if rank:
-            time.sleep(DEFER_S)
         bug = not isinstance(exc, (OSError, MemoryError, KeyboardInterrupt))
+        time.sleep(DEFER_S if rank else (0.0 if bug else SETTLE_S))
         abort_job(mpi_comm, 1,
                   f"mpiattn: error: rank {rank} of {size} failed during communication: "
                   f"{type(exc).__name__}: {exc}; aborting the job so no rank waits forever\n"

@@ -44,6 +44,11 @@ Conventions shared by all functions here
   it is computed from metadata every rank has, so it is the same everywhere.
 * Bad input raises the same ValueError/TypeError on every rank: one metadata
   allgather per call decides it before any data moves.
+* One rank (P = 1) with float32/float64 input runs no ring: the product is
+  one local ``matmul`` of the operands (no pieces, partial sums or
+  temporaries; no extra memory beyond the result), unless an explicit
+  :class:`mpiattn.Layout` stores the travelling rows out of global order.
+  float16 keeps the ring at P = 1, so its float32 copies stay piece-sized.
 
 Costs below use ``P`` ranks, ``L`` = the number of leading-index
 combinations of the result, ``L_b`` those of ``b``, ``k`` = block size, and
@@ -60,7 +65,7 @@ import numpy as np
 from .. import backend, gemm
 from ..comm.core import Comm, get_comm
 from ..comm.ring import circulate
-from ..layouts import local_lengths
+from ..layouts import all_segments, local_lengths
 from .plan import Plan, Shape, gather_meta, plan_nn, plan_nt, plan_tn
 
 __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
@@ -72,7 +77,30 @@ __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
 # accumulates in the same launch): on CuPy the operands stay in their dtype (float16 on tensor
 # cores, float32 accumulation, no cast copies); on NumPy they are cast once to the accumulation
 # dtype (BLAS has no float16).
+def _one_matmul(c: Comm, dtype: np.dtype, n_ring: int, layout: Any) -> bool:
+    """True when the product is one local matmul: one rank, no dtype conversion, rows in global order.
+
+    With P = 1 nothing travels, so the ring would only split the product
+    into pieces (and, for nn/tn, add them up); one ``matmul`` of the whole
+    operands does the same arithmetic with no piece copies, partial sums or
+    temporaries. float16 keeps the ring: its float32 copies stay
+    piece-sized. An explicit :class:`~mpiattn.Layout` may store the ``n_ring``
+    rows out of global order; then the ring (which addresses global
+    positions) is used.
+    """
+    if c.size != 1 or backend.accum_dtype(dtype) != dtype:
+        return False
+    pos = 0
+    for g, ln in all_segments(n_ring, 1, layout)[0]:
+        if g != pos:
+            return False
+        pos += ln
+    return True
+
+
 def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(a, xp.swapaxes(b, -1, -2))
     op = gemm.operand_dtype(xp, a.dtype)
     out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
     a_w = a.astype(op, copy=False)
@@ -84,16 +112,21 @@ def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -
 
 
 def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(a, b)
     work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     with c.abort_on_error():
-        for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
+        for i, piece in enumerate(circulate(c, (b,), plan.n_ring, layout, plan.block)):
             a_cols = a[..., piece.start:piece.stop].astype(op, copy=False)
-            gemm.matmul(a_cols, piece.data[0].astype(op, copy=False), acc, beta=1.0)
+            # the first piece writes the accumulator (no temporary), the others add to it
+            gemm.matmul(a_cols, piece.data[0].astype(op, copy=False), acc, beta=1.0 if i else 0.0)
     return acc.astype(a.dtype, copy=False)
 
 
 def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+    if _one_matmul(c, a.dtype, plan.n_ring, layout):
+        return xp.matmul(xp.swapaxes(a, -1, -2), b)
     work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
     acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
     b_w = b.astype(op, copy=False)

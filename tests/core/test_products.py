@@ -113,6 +113,97 @@ def test_default_block_size_splits_big_shards(comm, xp, monkeypatch):
             np.testing.assert_array_equal(got, rows(reference(op, A, B), layout))
 
 
+def scrambled_layout(n, P):
+    """An explicit Layout of n rows: uneven shares, every rank's ranges stored last-first.
+
+    Rows are cut into 2P uneven chunks; rank r holds chunk 2P-1-r, then chunk r
+    (so at P = 1 the local order is not the global one), and with P > 1 the
+    last rank owns nothing.
+    """
+    cuts = sorted({0, n, *(min(n, (i * i * n) // (4 * P * P)) for i in range(1, 2 * P))})
+    chunks = [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    chunks += [(n, n)] * (2 * P - len(chunks))
+    ranges = [[chunks[2 * P - 1 - r], chunks[r]] for r in range(P)]
+    if P > 1:  # hand the last rank's rows to rank 0, so one rank is empty
+        ranges[0] += ranges[-1]
+        ranges[-1] = []
+    return mpiattn.Layout(ranges)
+
+
+def ordered_layout(n, P):
+    """An explicit Layout of n rows in global order with uneven shares (rank 0 the most)."""
+    cuts = [0] + [n - (P - r) * (n // (2 * P)) for r in range(1, P)] + [n]
+    return mpiattn.Layout([[(a, b)] for a, b in zip(cuts[:-1], cuts[1:])])
+
+
+@pytest.mark.parametrize("kind", ["scrambled", "ordered"])
+@pytest.mark.parametrize("block_size", [None, 2])
+@pytest.mark.parametrize("op", OPS)
+def test_explicit_layouts(comm, xp, op, block_size, kind):
+    n = 13
+    layout = (scrambled_layout if kind == "scrambled" else ordered_layout)(n, comm.size)
+    for dtype in (np.float64, np.float32):
+        A, B = make(op, n, n, 4, (2,), (), dtype=dtype, seed=31)
+        got = host(run(op, A, B, xp, layout, block_size))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, rows(reference(op, A, B), layout))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_the_ring_and_one_local_matmul_agree(comm, xp, op, monkeypatch):
+    """With the one-matmul shortcut switched off, the ring gives the same exact results (any P)."""
+    from mpiattn.products import matmul as mm
+    cases = [((9, 8, 5), (), (), "contiguous", None), ((9, 8, 5), (2, 1), (3,), "zigzag", 2),
+             ((0, 3, 2), (), (), "contiguous", 1), ((4, 0, 2), (), (), "zigzag", 1),
+             ((12, 11, 4), (2,), (), "contiguous", 5)]
+    results = []
+    for switched_off in (False, True):
+        if switched_off:
+            monkeypatch.setattr(mm, "_one_matmul", lambda *args: False)
+        results.append([host(run(op, *make(op, *nmd, la, lb, seed=41), xp, layout, blk))
+                        for nmd, la, lb, layout, blk in cases])
+    for (nmd, la, lb, layout, _), x, y in zip(cases, *results):
+        A, B = make(op, *nmd, la, lb, seed=41)
+        want = rows(reference(op, A, B), layout)
+        np.testing.assert_array_equal(x, want)
+        np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_one_rank_float32_runs_no_ring(comm, xp, op, monkeypatch):
+    """P = 1, float32/float64, rows in global order: one local matmul; float16 and a
+    scrambled explicit Layout still take the ring."""
+    from mpiattn.products import matmul as mm
+    calls = []
+    real = mm.circulate
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mm, "circulate", counting)
+    for dtype, layout, ring in ((np.float32, "contiguous", False), (np.float64, "zigzag", False),
+                                (np.float16, "contiguous", True),
+                                (np.float32, scrambled_layout(10, comm.size), True)):
+        calls.clear()
+        A, B = make(op, 10, 10, 3, dtype=dtype, seed=43)
+        got = host(run(op, A, B, xp, layout, block_size=3))
+        np.testing.assert_array_equal(got, rows(reference(op, A, B), layout))
+        assert bool(calls) == (ring or comm.size > 1), (dtype, layout)
+
+
+def test_uneven_pieces_short_first(comm, xp):
+    """A short first piece, then longer ones (nn's first piece writes the accumulator; results exact)."""
+    n = 15
+    P = comm.size
+    cuts = [0, 1] + [1 + (r * (n - 1)) // max(1, P - 1) for r in range(1, P)]
+    layout = mpiattn.Layout([[(a, b)] for a, b in zip(cuts[:-1], cuts[1:])] if P > 1 else [[(0, n)]])
+    for op in OPS:
+        A, B = make(op, n, n, 3, (2,), (), seed=47)
+        got = host(run(op, A, B, xp, layout))
+        np.testing.assert_array_equal(got, rows(reference(op, A, B), layout))
+
+
 # ---------------------------------------------------------------- rounding
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", OPS)
