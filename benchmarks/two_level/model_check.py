@@ -30,18 +30,37 @@ CONFIGS = [  # (P, emulated nodes, strategies)
 ]
 
 
+def _read(path: str, nodes: int) -> list[dict]:
+    """The timed records of one configuration that carry the model's prediction."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("status") == "ok" and "model_s" in r:
+                    r["nodes"] = nodes
+                    rows.append(r)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/two_level/results")
     ap.add_argument("--seq", default="8192,16384")
     ap.add_argument("--repeat", default="3")
     ap.add_argument("--only", default=None, help="run only configurations P:nodes, e.g. 4:2")
+    ap.add_argument("--summarize", action="store_true",
+                    help="run nothing: summarise the bench-P*-nodes*.jsonl files already in --out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     rows = []
     for P, nodes, impls in CONFIGS:
         if args.only and f"{P}:{nodes}" not in args.only.split(","):
+            continue
+        out = os.path.join(args.out, f"bench-P{P}-nodes{nodes}.jsonl")
+        if args.summarize:
+            rows += _read(out, nodes)
             continue
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         env.pop("MPIR_CVAR_ENABLE_HEAVY_YIELD", None)
@@ -56,7 +75,6 @@ def main() -> int:
                         "--megabytes", "8", "--rows", "2048", "--heads", "4", "--dim", "64", "--name",
                         f"here-P{P}-nodes{nodes}"], env=env, check=True)
         env["MPIATTN_MACHINE"] = os.path.abspath(cal)
-        out = os.path.join(args.out, f"bench-P{P}-nodes{nodes}.jsonl")
         if os.path.exists(out):
             os.unlink(out)
         subprocess.run([sys.executable, "-m", "mpiattn", "bench", "--ranks", str(P), "--impl", impls,
@@ -64,12 +82,7 @@ def main() -> int:
                         "--causal", "both", "--passes", "fwd,fwdbwd", "--repeat", args.repeat,
                         "--warmup", "1", "--peers", "none", "--allow-oversubscribe", "--json", out,
                         "--quiet"], env=env, check=True)
-        with open(out) as f:
-            for line in f:
-                r = json.loads(line)
-                if r.get("status") == "ok" and "model_s" in r:
-                    r["nodes"] = nodes
-                    rows.append(r)
+        rows += _read(out, nodes)
     errs = []
     print(f"{'P':>2} {'nodes':>5} {'strategy':<22} {'N':>6} {'causal':>6} {'pass':>6} {'measured s':>10} "
           f"{'model s':>9} {'error':>7} {'MiB betw.':>9} {'model':>7}")

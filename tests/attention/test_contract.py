@@ -184,8 +184,41 @@ def _baseline(Q, K, V, dO, vis, dt):
 
 
 def _numpy_baseline(Q, K, V, dO, vis, dt):
-    return tuple(x.astype(dt) for x in dense_attention(Q.astype(dt), K.astype(dt),
-                                                       V.astype(dt), vis, None, dO))
+    """Plain attention in the inputs' dtype without torch: what a naive same-dtype autograd does.
+
+    Every product is an unblocked ``einsum`` (float32 accumulation for float16, as torch's
+    CPU kernels), every intermediate (scores, probabilities, ``dP``, ``dS``, row sums) is
+    stored in ``dt``; the softmax subtracts the row maximum. Written apart from
+    :func:`dense_attention` (float64 throughout), whose error would otherwise be the
+    baseline's too.
+    """
+    acc = np.dtype(np.float32) if dt == np.float16 else dt
+    G = Q.shape[1] // K.shape[1]
+    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
+    one = lambda x: np.asarray(x).astype(dt)  # noqa: E731 - a value stored in the dtype
+
+    def mm(sub, a, b):
+        return one(np.einsum(sub, a.astype(acc), b.astype(acc)))
+
+    s = dt.type(1 / np.sqrt(Q.shape[-1]))
+    v4 = np.broadcast_to(vis, Q.shape[:3] + (K.shape[2],))
+    seen = v4.any(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        S = one(np.where(v4, mm("bhnd,bhmd->bhnm", Q, Kr) * s, -np.inf))
+        m = one(np.where(seen, S.max(-1, keepdims=True, initial=-np.inf), 0))
+        Pe = one(np.where(v4, np.exp(S - m), 0))
+        l = one(Pe.sum(-1, keepdims=True))
+        P = one(np.where(seen, Pe / np.where(seen, l, 1), 0))
+        lse = one(np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf))[..., 0]
+    out = mm("bhnm,bhme->bhne", P, Vr)
+    dP = mm("bhne,bhme->bhnm", dO, Vr)
+    D = one((dP * P).sum(-1, keepdims=True))
+    dS = one(P * one(dP - D))
+    dq = one(mm("bhnm,bhmd->bhnd", dS, Kr) * s)
+    fold = lambda x: one(x.reshape(x.shape[0], K.shape[1], G, *x.shape[2:]).astype(acc).sum(2))  # noqa: E731
+    dk = fold(one(mm("bhnm,bhnd->bhmd", dS, Q) * s))
+    dv = fold(mm("bhnm,bhne->bhme", P, dO))
+    return out, lse, dq, dk, dv
 
 
 def _layouts(case, P, seg):
