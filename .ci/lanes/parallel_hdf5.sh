@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI lane "parallel_hdf5": Debian's MPICH and parallel HDF5 (apt mpich libhdf5-mpich-dev),
 # mpi4py and h5py built from source against them in their own venv (never pip's mpich),
-# h5py.get_config().mpi checked, then the I/O, CLI and layer tests at 1-4 ranks under the
+# h5py.get_config().mpi checked, then the I/O, CLI, layer and cache-file tests at 1-4 ranks under the
 # system mpiexec. Also checks that the main .venv (pip's MPICH) still loads its own libmpi
 # once Debian's MPICH is installed.
 # Last line: "LANE parallel_hdf5: PASS", "... FAIL (why)" or "... SKIP (why)".
@@ -86,13 +86,14 @@ if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import mpi4py" 2>/dev/null;
     NOTES+=("main .venv still loads its own libmpi")
 fi
 
-step "I/O, CLI and layer tests at 1-4 ranks with /usr/bin/mpiexec"
+step "I/O, CLI, layer and cache-file tests at 1-4 ranks with /usr/bin/mpiexec"
 # Whatever the layout of tests/ (tests/test_io.py or tests/io/...), keep the test files whose
-# path names io, cli or layer, and ignore every other one.
+# path names io, cli or layer, and the key/value cache files' tests (KVCache.save writes
+# through the same collective writer); ignore every other one.
 ignores=()
 kept=0
 while IFS= read -r f; do
-    if [[ /$f =~ /(test_)?(io|cli|layer)([_./]|$) ]]; then
+    if [[ /$f =~ /(test_)?(io|cli|layer)([_./]|$) || $f == */test_prefill_and_files.py ]]; then
         kept=$((kept + 1))
         echo "selected: tests/$f"
     else
