@@ -209,28 +209,24 @@ def _copy_async(cp: Any, dst_ptr: int, src_ptr: int, nbytes: int, kind: int, str
 
 
 # ------------------------------------------------------------------ cuda-aware
-class _Queued(_Request):
-    """A CUDA-aware MPI operation queued until its transport's next flush."""
+class _Queued(_MpiRequest):
+    """A CUDA-aware MPI operation queued until its transport's next flush (which sets ``mpi_req``)."""
 
-    __slots__ = ("t", "post", "mpi_req", "keep")
+    __slots__ = ("t", "post")
 
     def __init__(self, t: "CudaAwareTransport", post: Callable[[], Any], keep: Any):
-        self.t, self.post, self.mpi_req, self.keep = t, post, None, keep
+        super().__init__(None, keep)
+        self.t, self.post = t, post
 
     def Test(self) -> bool:  # noqa: N802
-        if self.keep is None:
-            return True
-        self.t.flush()
-        if self.mpi_req.Test():
-            self.keep = None
-            return True
-        return False
+        if self.keep is not None:
+            self.t.flush()
+        return super().Test()
 
     def Wait(self) -> None:  # noqa: N802
         if self.keep is not None:
             self.t.flush()
-            self.mpi_req.Wait()
-            self.keep = None
+        super().Wait()
 
 
 class CudaAwareTransport:

@@ -204,18 +204,21 @@ def _query_tiles(mask: BlockMask, j0: int, j1: int, group: int,
             yield i0, i1, i0 * group, i1 * group, vis
 
 
-def _visible_query_tiles(mask: BlockMask, n: int, j0: int, j1: int, group: int,
-                         tile: int) -> Iterator[tuple[int, int, int, int, str]] | None:
-    """:func:`_query_tiles` of key tile ``j0:j1``, or None when no query tile sees it.
+def _key_tiles(mask: BlockMask, group: int, tile: int) -> Iterator[tuple[int, int, Iterator]]:
+    """Key tiles ``j0:j1`` that some query sees, each with its :func:`_query_tiles`.
 
-    The key tile's operands are prepared only when this is not None, so a key
-    tile (or a whole block) with no visible pair costs host checks only.
+    A key tile's operands are prepared only for these, so a key tile (or a
+    whole block) with no visible pair costs host checks only.
     """
-    if mask.visibility(0, n, j0, j1) == "none":
-        return None
-    tiles = _query_tiles(mask, j0, j1, group, tile)
-    first = next(tiles, None)
-    return None if first is None else itertools.chain((first,), tiles)
+    n, nk = mask.q_pos.size, mask.k_pos.size
+    for j0 in _tiles(nk, tile):
+        j1 = min(j0 + tile, nk)
+        if mask.visibility(0, n, j0, j1) == "none":
+            continue
+        tiles = _query_tiles(mask, j0, j1, group, tile)
+        first = next(tiles, None)
+        if first is not None:
+            yield j0, j1, itertools.chain((first,), tiles)
 
 
 def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
@@ -270,13 +273,9 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     xp = backend.array_module(st.qa)
     ws, dt = st.ws, st.qa.dtype
     lead = st.qa.shape[:2]
-    n, nk = mask.q_pos.size, mask.k_pos.size
+    n = mask.q_pos.size
     few = n * group <= FEW_ROWS  # decode: read each key once, in place (no tile copies)
-    for j0 in _tiles(nk, tile):
-        j1 = min(j0 + tile, nk)
-        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
-        if tiles is None:
-            continue
+    for j0, j1, tiles in _key_tiles(mask, group, tile):
         if few:
             kv = (k[..., j0:j1, :].astype(dt, copy=False), v[..., j0:j1, :].astype(dt, copy=False))
             for i0, i1, r0, r1, vis in tiles:
@@ -411,12 +410,7 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
     dt = qa.dtype
     lead = qa.shape[:2]
     E, Ev = qa.shape[-1] - 1, doa.shape[-1] - 1
-    n, nk = mask.q_pos.size, mask.k_pos.size
-    for j0 in _tiles(nk, tile):
-        j1 = min(j0 + tile, nk)
-        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
-        if tiles is None:
-            continue
+    for j0, j1, tiles in _key_tiles(mask, group, tile):
         kk = j1 - j0
         kc = xp.ascontiguousarray(k[..., j0:j1, :], dtype=dt)
         kt = ws.transposed("kt", k, j0, j1, dt)

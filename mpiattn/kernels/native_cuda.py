@@ -40,7 +40,7 @@ import numpy as np
 from .. import backend, gemm
 from ..masks import BlockMask
 from . import fused
-from .native import Workspace, _visible_query_tiles, _tiles, fold_queries
+from .native import Workspace, _key_tiles, fold_queries
 
 __all__ = ["DeviceForward", "DeviceBackward", "forward_block", "backward_block", "device_tile",
            "TILE_SECONDS"]
@@ -182,13 +182,8 @@ def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask
     xp = backend.array_module(st.q)
     acc, op = st.o.dtype, st.q.dtype
     B, hkv = st.q.shape[:2]
-    n, nk = mask.q_pos.size, mask.k_pos.size
     k, v = k.astype(op, copy=False), v.astype(op, copy=False)
-    for j0 in _tiles(nk, tile):
-        j1 = min(j0 + tile, nk)
-        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
-        if tiles is None:
-            continue
+    for j0, j1, tiles in _key_tiles(mask, group, tile):
         kk = j1 - j0
         kt, vt = k[..., j0:j1, :].swapaxes(-1, -2), v[..., j0:j1, :]
         masking = _Masking(xp, mask, j0, j1, acc)
@@ -257,13 +252,8 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
     xp = backend.array_module(bs.q)
     acc, op = bs.lse.dtype, bs.q.dtype
     B, hkv = bs.q.shape[:2]
-    n, nk = mask.q_pos.size, mask.k_pos.size
     k, v = k.astype(op, copy=False), v.astype(op, copy=False)
-    for j0 in _tiles(nk, tile):
-        j1 = min(j0 + tile, nk)
-        tiles = _visible_query_tiles(mask, n, j0, j1, group, tile)
-        if tiles is None:
-            continue
+    for j0, j1, tiles in _key_tiles(mask, group, tile):
         kk = j1 - j0
         kc, vc = k[..., j0:j1, :], v[..., j0:j1, :]
         dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
