@@ -104,6 +104,25 @@ def bad_input(kind, path):
                 f[name] = x
 
 
+def run_cli(comm, capsys, *argv):
+    """``mpiattn.cli.main(argv)`` on every rank: ``(code, rank 0's stdout, rank 0's stderr)``.
+
+    Asserts that every rank returns the same exit code, that ranks other than 0
+    print nothing, and that rank 0 prints at most one error line.
+    """
+    from mpiattn import cli
+
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    codes = comm.allgather_obj(code)
+    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
+    if comm.rank != 0:
+        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
+    else:
+        assert err.count("error:") <= 1, err
+    return code, out, err
+
+
 def install_fake_cupy(monkeypatch, **kw):
     """Put a fresh fake CuPy (``fake_cupy.install(monkeypatch, **kw)``) in ``sys.modules``.
 

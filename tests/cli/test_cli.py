@@ -17,22 +17,7 @@ from mpiattn import cli
 from mpiattn.cli import commands, common, steps
 from mpiattn.io import datagen
 
-from helpers import bad_input, reference, whole
-
-
-
-
-def run(comm, capsys, *argv):
-    """main(argv) on every rank: (code, rank 0's stdout, rank 0's stderr); other ranks stay silent."""
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    codes = comm.allgather_obj(code)
-    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
-    if comm.rank != 0:
-        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
-    else:
-        assert err.count("error:") <= 1, err
-    return code, out, err
+from helpers import bad_input, reference, run_cli as run, whole
 
 
 def _assert_matches_reference(inp_path, out_path, causal, rtol=2e-4):

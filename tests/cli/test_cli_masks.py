@@ -9,20 +9,9 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiattn import cli
 from mpiattn.io import datagen, reading
 
-from helpers import whole
-
-
-def run(comm, capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    codes = comm.allgather_obj(code)
-    assert len(set(codes)) == 1, codes
-    if comm.rank != 0:
-        assert out == "" and err == ""
-    return code, out, err
+from helpers import run_cli as run, whole
 
 
 def reference(data, causal, window):

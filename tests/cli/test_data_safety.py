@@ -22,18 +22,7 @@ from mpiattn.cli import steps
 from mpiattn.comm import node as nodes
 from mpiattn.io import atomic, reading
 
-from helpers import finish_group, mpiexec, whole
-
-
-def run(comm, capsys, *argv):
-    """main(argv) on every rank: (code, rank 0's stdout, rank 0's stderr), the same code everywhere."""
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    codes = comm.allgather_obj(code)
-    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
-    if comm.rank != 0:
-        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
-    return code, out, err
+from helpers import finish_group, mpiexec, run_cli as run, whole
 
 
 def _on_rank0(comm, fn):

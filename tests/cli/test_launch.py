@@ -16,16 +16,7 @@ import pytest
 from mpiattn import cli
 from mpiattn.cli import common, resources
 from mpiattn.comm import node as nodes
-from helpers import whole
-
-
-def run(comm, capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert len(set(comm.allgather_obj(code))) == 1
-    if comm.rank != 0:
-        assert out == "" and err == "", (out, err)
-    return code, out, err
+from helpers import run_cli as run, whole
 
 
 def _make(comm, capsys, path, *extra):

@@ -5,22 +5,7 @@ import os
 import h5py
 import numpy as np
 
-from mpiattn import cli
-
-from helpers import reference, whole
-
-
-def run(comm, capsys, *argv):
-    """main(argv) on every rank: (code, rank 0's stdout, rank 0's stderr); other ranks stay silent."""
-    code = cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    codes = comm.allgather_obj(code)
-    assert len(set(codes)) == 1, f"ranks disagree on the exit code: {codes}"
-    if comm.rank != 0:
-        assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
-    else:
-        assert err.count("error:") <= 1, err
-    return code, out, err
+from helpers import reference, run_cli as run, whole
 
 
 def _write(comm, path, **arrays):
