@@ -105,7 +105,8 @@ def bad_input(kind, path):
 
 
 def run_cli(comm, capsys, *argv):
-    """``mpiattn.cli.main(argv)`` on every rank: ``(code, rank 0's stdout, rank 0's stderr)``.
+    """``mpiattn.cli.main(argv)`` on every rank: ``(code, rank 0's stdout, rank 0's stderr)``
+    (rank 0's text on every rank).
 
     Asserts that every rank returns the same exit code, that ranks other than 0
     print nothing, and that rank 0 prints at most one error line.
@@ -120,6 +121,7 @@ def run_cli(comm, capsys, *argv):
         assert out == "" and err == "", f"rank {comm.rank} printed: {out!r} {err!r}"
     else:
         assert err.count("error:") <= 1, err
+    out, err = comm.bcast_obj((out, err) if comm.rank == 0 else None)
     return code, out, err
 
 

@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import errors
 from ..strategies import machines
 from ..strategies.machines import Link, Machine
 
@@ -53,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
     """The options of ``calibrate``."""
     p.add_argument("-o", "--output", default="mpiattn-machine.json",
                    help="JSON file to write (default ./mpiattn-machine.json)")
+    p.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
     p.add_argument("--name", default=None, help="the machine's name (default: the first host's)")
     p.add_argument("--megabytes", type=positive_int, default=16,
                    help="message size of the bandwidth measurements, MiB (default 16)")
@@ -216,31 +216,48 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
                    _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources)
 
 
+def _needs(c: Any, xp: Any, args: Any) -> None:
+    """UsageError (every rank alike) when the measurements would not fit in a rank's memory."""
+    from .common import UsageError
+
+    rates = 5 * args.heads * args.rows * args.dim * 8 + 2 * args.heads * args.rows * 4 * 512
+    links = max(c.size, 2) * args.megabytes * 2**20 + 16 * args.megabytes * 2**20
+    have = c.bcast_obj(_memory(c, xp) if c.rank == 0 else None)
+    for what, need in (("--rows/--heads/--dim", rates), ("--megabytes", links)):
+        if need > have / 2:
+            raise UsageError(f"calibrate {what}: the measurement needs about {need / 2**30:.1f} GiB "
+                             f"per rank, and a rank has {have / 2**30:.1f} GiB (half of it may be "
+                             "used): choose smaller sizes")
+
+
 def cmd_calibrate(args: Any, con: Any) -> int:
-    """``mpiattn calibrate``: measure (every rank), rank 0 writes the JSON file."""
-    from .steps import select_device, world_comm
+    """``mpiattn calibrate``: measure (every rank), rank 0 writes the JSON file, atomically.
+
+    The output is checked before anything is measured (``--force`` to
+    replace an existing file), written as any output is (a temporary that
+    ``clean`` knows, published at a commit point, stopped by a signal).
+    """
+    from .. import io
+    from ..io.jsonfile import dump_json
+    from .steps import prepare_output, select_device, world_comm
 
     c = world_comm()
+    prepare_output(c, con, args.output, args.force)
     xp, _ = select_device(c, args.device, None)
+    _needs(c, xp, args)
     con.say(f"mpiattn calibrate: {c.size} rank(s), {c.topology.describe()}, "
             f"{'CuPy' if xp is not np else 'NumPy'}")
     machine = measure(c, xp, args, con.say)
     machine = replace(machine, memory=c.bcast_obj(machine.memory))
-    with errors.alike():
-        result = c.bcast_obj(_write(machine, args.output) if c.rank == 0 else None)
-        if isinstance(result, str):
-            raise OSError(result)
+
+    def write(tmp: str) -> None:
+        with c.collective_errors():
+            if c.rank == 0:
+                dump_json(tmp, machine.to_dict())
+    con.doing("while writing the output")
+    io.write_atomically(c, args.output, write, force=args.force, outputs=con.outputs)
     con.say(f"  wrote {args.output}: inside {machine.inside.latency_s * 1e6:.1f} us, "
             f"{machine.inside.bandwidth / 1e9:.2f} GB/s; between {machine.between.latency_s * 1e6:.1f} us, "
             f"{machine.between.bandwidth / 1e9:.2f} GB/s; float32 {machine.rates['float32'] / 1e9:.1f} "
             "GFLOP/s per rank")
     return 0
-
-
-def _write(machine: Machine, path: str) -> str | None:
-    try:
-        machine.save(path)
-    except OSError as exc:
-        return f"cannot write {path}: {exc}"
-    return None
-

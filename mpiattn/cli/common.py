@@ -100,7 +100,14 @@ class Console:
         if self.rank == 0 and not self.quiet and (self.guard is None or self.guard.fired is None):
             print(msg, flush=True)
 
-    def error(self, msg: str) -> None:
+    def error(self, msg: str, environmental: bool = False) -> None:
+        """Rank 0 prints ``msg`` as the run's error (once a signal ends the run: nothing).
+
+        ``environmental`` (an OSError, a full disk): first let a signal on
+        another rank be heard (:meth:`mpiattn.cli.signals.Guard.settle`).
+        """
+        if environmental and self.guard is not None:
+            self.guard.settle()
         self.hold()
         if self.rank == 0:
             print(f"mpiattn: error: {msg}", file=sys.stderr, flush=True)

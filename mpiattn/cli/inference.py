@@ -12,14 +12,21 @@
     ``q (B, H, t, E)`` of ``Q.h5`` (bottom-right causal: they are the last
     ``t`` positions, so with ``--append`` the keys and values ``k``, ``v`` of
     ``Q.h5`` are appended first) and writes ``out``, ``lse`` to ``OUT.h5``.
-    With ``--append`` the grown cache then replaces ``CACHE.h5`` (its other
-    datasets carried over), so a sequence of decode runs extends one cache.
+    With ``--append`` the grown cache replaces ``CACHE.h5`` (its other
+    datasets carried over, its permission bits kept), so a sequence of
+    decode runs extends one cache; ``Q.h5`` then holds as many new keys and
+    values as queries (the same new tokens).
 
 The guarantees of ``run`` hold: errors are decided on every rank alike
-(exit 1), outputs are published atomically and a signal before the commit
-point leaves every earlier file as it was (``OUT.h5`` is published before
-the cache is replaced: a run stopped between them leaves the old cache, and
-running it again stops at the existing ``OUT.h5`` unless ``--force``).
+(exit 1), and every output path is checked before anything is computed
+(with ``--append`` the cache's too: its directory, its free space, and that
+it is writable). With ``--append``, ``OUT.h5`` and the grown cache are
+published together, at one commit point: both or neither. A signal before
+it leaves every file as it was; the cache is replaced only while it is
+still the file this run read, so of two ``decode --append`` runs on one
+cache at once the second gets one error and publishes nothing (instead of
+losing the first one's token). Keys, values and queries holding NaN or Inf
+are refused unless ``--allow-nonfinite``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from .. import __version__
 from .. import backend, gpu, io
 from ..comm import errors
 from ..inference import PAGE_ROWS, KVCache
+from ..inference.placement import check_page
 from ..io import kvstore
 from ..kernels import engines
 from ..layouts import Layout, all_segments
@@ -59,7 +67,7 @@ def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
                      "'scale' attribute, else 1/sqrt(E)); kept in the cache")
     pre.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
                      help="rows per rank for the prompt (default contiguous)")
-    pre.add_argument("--page", type=positive_int, default=PAGE_ROWS,
+    pre.add_argument("--page", type=_page, default=PAGE_ROWS,
                      help=f"rows per page of later appends (default {PAGE_ROWS})")
     pre.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None)
     _common(pre, positive_int)
@@ -77,6 +85,15 @@ def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
     _common(dec, positive_int)
 
 
+def _page(text: str) -> int:
+    import argparse
+
+    try:
+        return check_page(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _common(p: Any, positive_int: Callable) -> None:
     p.add_argument("--engine", choices=engines.NAMES, default="auto", help="local kernels")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu",
@@ -84,6 +101,8 @@ def _common(p: Any, positive_int: Callable) -> None:
     p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None)
     p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="BLAS threads per rank")
     p.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="accept NaN or Inf in the inputs and the cache (they propagate)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
 
@@ -122,18 +141,20 @@ def cmd_prefill(args: Any, con: Console) -> int:
                              f"{', '.join(kept)}")
     window = meta["window"] if args.window is None else args.window
     with timer.phase("read"):
-        inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta)
+        inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta,
+                            check_finite=not args.allow_nonfinite)
     xp, _ = select_device(c, args.device, args.gpu_transport)
     move = _mover(c, xp)
     q, k, v = move(inp.q), move(inp.k), move(inp.v)
     scale = inp.scale if args.scale is None else args.scale
+    finite = not args.allow_nonfinite
     options = Options(causal=True, window=window, scale=scale, layout=args.layout, engine=args.engine,
-                      check_finite=False)
+                      check_finite=finite)
     used: dict = {}
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, options=options, details=used,
                              progress=con.progress("forward"))
-    cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page)
+    cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
     extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
              "lse": io.Rows(backend.to_host(lse), N, 2, args.layout)}
     attrs = {"causal": "bottom-right", "scale": scale, "input_path": os.path.abspath(args.input),
@@ -169,39 +190,52 @@ def cmd_decode(args: Any, con: Console) -> int:
     timer = run_timer(c, con)
     _not_same(c, args.cache, args.output, "cache file")
     _not_same(c, args.queries, args.output, "queries file")
-    prepare_output(c, con, args.output, args.force)
+    meta = kvstore.read_cache_meta(c, args.cache)
+    grown = None
+    if args.append:  # both files are published together: check both before any work
+        grown = io.Target(args.cache, None, io.Rule.grows(meta["identity"]), _cache_bytes(meta))
+    prepare_output(c, con, args.output, args.force, also=[grown] if grown else [])
     xp, _ = select_device(c, args.device, args.gpu_transport)
+    finite = not args.allow_nonfinite
     with timer.phase("read"):
-        meta = kvstore.read_cache_meta(c, args.cache)
-        cache = KVCache.load(args.cache, c, device=xp.__name__)
+        cache = KVCache.load(args.cache, c, device=xp.__name__, check_finite=finite)
+        with errors.alike():
+            if tuple(cache.identity) != tuple(meta["identity"]):
+                raise ValueError(f"the cache {args.cache} changed while it was being read; nothing "
+                                 "was computed")
         new = kvstore.read_replicated(c, args.queries, ("q",), ("k", "v") if args.append else ())
         with errors.alike():
             if args.append and not {"k", "v"} <= set(new):
                 raise ValueError(f"--append needs the new tokens' k and v in {args.queries}")
+            if args.append and not new["q"].shape[2:3] == new["k"].shape[2:3] == new["v"].shape[2:3]:
+                raise ValueError(f"--append: {args.queries} holds {new['q'].shape[2]} queries but "
+                                 f"{new['k'].shape[2]} new keys and {new['v'].shape[2]} new values; "
+                                 "they must be the same new tokens (as many rows in q, k and v)")
         carried = _carried(c, args.cache, meta) if args.append else {}
     saved = meta["attrs"]
-    window = io.reading.window_from_attribute(saved.get("window")) if args.window is None else args.window
-    scale = saved.get("scale") if args.scale is None else args.scale
+    window = meta["window"] if args.window is None else args.window
+    scale = meta["scale"] if args.scale is None else args.scale
     move = _mover(c, xp)
     used: dict = {}
     with timer.phase("forward"):
         if args.append:
-            cache.append(move(new["k"]), move(new["v"]))
+            cache.append(move(new["k"]), move(new["v"]), check_finite=finite)
         out, lse = cache.attend(move(new["q"]), window=window, scale=scale, engine=args.engine,
-                                details=used)
+                                check_finite=finite, details=used)
     t = int(out.shape[2])
     mine = Layout([[(0, t)]] + [[] for _ in range(c.size - 1)])  # rank 0 writes the replicated result
     keep = slice(None) if c.rank == 0 else slice(0, 0)
     rows = {"out": io.Rows(backend.to_host(out)[:, :, keep], t, 2, mine),
             "lse": io.Rows(backend.to_host(lse)[:, :, keep], t, 2, mine)}
     with timer.phase("write"):
-        io.write_rows(args.output, rows, c, attrs={"cache_path": os.path.abspath(args.cache),
-                                                   "cache_length": cache.length, "append": args.append,
-                                                   "engine": used.get("engine", ""), **_stamp(timer)},
-                      force=args.force, outputs=con.outputs)
-        if args.append:
-            cache.save(args.cache, force=True, extra=carried, outputs=con.outputs,
-                       attrs={k: v for k, v in saved.items() if k not in _OWN})
+        attrs = {"cache_path": os.path.abspath(args.cache), "cache_length": cache.length,
+                 "append": args.append, "engine": used.get("engine", ""), **_stamp(timer)}
+        files = [io.rows_target(args.output, rows, c, attrs=attrs,
+                                rule=io.REPLACE if args.force else io.NEW)]
+        if grown is not None:  # one commit point for both files
+            files.append(cache.target(args.cache, rule=grown.rule, extra=carried,
+                                      attrs={k: v for k, v in saved.items() if k not in _OWN}))
+        io.publish(c, files, outputs=con.outputs)
     con.say(f"mpiattn {__version__} decode: {t} new token(s) against {cache.length} cached "
             f"({c.size} rank(s), engine {used.get('engine')}){'; appended' if args.append else ''}")
     con.say(f"  time     {timer.summary()}")
@@ -209,3 +243,9 @@ def cmd_decode(args: Any, con: Console) -> int:
     if args.append:
         con.say(f"  cache    {os.path.abspath(args.cache)}: {cache.length} rows")
     return 0
+
+
+def _cache_bytes(meta: dict) -> int:
+    """Bytes of a cache file's arrays (its size once grown by a few rows)."""
+    item = np.dtype(meta["dtype"]).itemsize
+    return meta["B"] * meta["Hkv"] * (meta["M"] + 1) * (meta["E"] + meta["Ev"]) * item

@@ -68,15 +68,20 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any, window: Any) ->
     i = p.add_argument_group("inference (with --cache: a decode step and a chunked prefill)")
     i.add_argument("--cache", type=positive_int, default=None, metavar="M",
                    help="rows in a KV cache sharded over the ranks: also predict decode and prefill")
-    i.add_argument("--new-tokens", type=positive_int, default=1, metavar="T",
-                   help="queries per decode step (default 1)")
+    i.add_argument("--new-tokens", type=positive_int, default=None, metavar="T",
+                   help="queries per decode step (default 1; needs --cache)")
     i.add_argument("--chunk", type=positive_int, default=None, metavar="C",
-                   help="rows of a prefill chunk against the cache (default --seq)")
+                   help="rows of a prefill chunk against the cache (default --seq; needs --cache)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def build(args: Any) -> dict:
     """The plan of parsed ``args`` as a JSON-ready dict (raises UsageError for a bad machine)."""
+    if args.cache is None and (args.new_tokens is not None or args.chunk is not None):
+        given = [f for f, v in (("--new-tokens", args.new_tokens), ("--chunk", args.chunk))
+                 if v is not None]
+        raise UsageError(f"{' and '.join(given)} describe{'s' if len(given) == 1 else ''} inference "
+                         "against a cache: give --cache M too")
     try:
         machine = machines.load(machines.resolve_name(args.hardware or args.calibration, "cupy"))
     except ValueError as exc:
@@ -110,7 +115,7 @@ def build(args: Any) -> dict:
 
 def _inference(args: Any, Hkv: int, Ev: int, topo: Topology, machine: Any) -> dict:
     """Decode step and chunked prefill against a cache of ``--cache`` rows, on P ranks and on one."""
-    P, M, t, C = topo.P, args.cache, args.new_tokens, args.chunk or args.seq
+    P, M, t, C = topo.P, args.cache, args.new_tokens or 1, args.chunk or args.seq
     size = 2 if args.dtype in ("bfloat16", "float16") else np.dtype(args.dtype).itemsize
     shape = dict(B=args.batch, H=args.heads, Hkv=Hkv, E=args.dim, Ev=Ev, itemsize=size,
                  machine=machine, rate_dtype=args.dtype)

@@ -19,8 +19,10 @@ __all__ = ["QuietReleases"]
 
 
 def _from_broken_file(exc: BaseException | None, where: str) -> bool:
-    """An h5py report that an object of a file whose write failed cannot be released."""
-    return "ObjectID" in where and isinstance(exc, RuntimeError) and "write failed" in str(exc)
+    """An h5py report that an object of a file whose write failed cannot be released
+    (a RuntimeError in h5py 3.8-3.12, an OSError with ``errno`` 28 in 3.16)."""
+    return "ObjectID" in where and isinstance(exc, (RuntimeError, OSError)) and \
+        "write failed" in str(exc)
 
 
 class QuietReleases:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib.util
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -253,16 +251,21 @@ def _window_text(window: tuple) -> str:
     return ",".join("none" if w is None else str(w) for w in window)
 
 
-def prepare_output(c: Any, con: Console, output: str, force: bool, nbytes: int | None = None) -> None:
+def prepare_output(c: Any, con: Console, output: str, force: bool, nbytes: int | None = None,
+                   also: list | None = None) -> None:
     """Before any work: the output can be written (and fits), stale temporaries are gone.
 
-    Removes the temporary files that dead writers left in the output's
-    directory (never a live writer's) and says so.
+    ``also``: other files (:class:`mpiattn.io.Target`) the run will publish
+    together with ``output``, checked with it (one free-space check per
+    file system). Removes the temporary files that dead writers left in
+    their directories (never a live writer's) and says so.
     """
-    io.check_output(output, c, force=force, nbytes=nbytes)
-    directory = os.path.dirname(os.path.abspath(output))
-    stale = io.atomic.on_rank0(c, lambda: io.remove_stale(directory, con.outputs.active()))
-    for path, size in stale.removed:
+    first = io.Target(output, None, io.REPLACE if force else io.NEW, nbytes)
+    io.check_targets(c, [first, *(also or [])])
+    dirs = sorted({os.path.dirname(os.path.abspath(t.path)) for t in [first, *(also or [])]})
+    stale = io.atomic.on_rank0(c, lambda: [r for d in dirs
+                                           for r in io.remove_stale(d, con.outputs.active()).removed])
+    for path, size in stale:
         con.say(f"removed {path} ({size / 2**20:.1f} MiB), left by an mpiattn writer that died")
 
 

@@ -35,6 +35,7 @@ ranks run more BLAS threads than the node has cores.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -103,6 +104,12 @@ def get_comm(comm: Any = None) -> "Comm":
     return wrapped
 
 
+def _caller() -> str:
+    """The name of the function that called the caller (a collective check's default name)."""
+    code = sys._getframe(2).f_code
+    return getattr(code, "co_qualname", code.co_name)
+
+
 class Request:
     """An MPI request plus what must happen once it completes (``wait()``; ``req.Test()``)."""
 
@@ -159,6 +166,8 @@ class Comm:
         self._threads_checked = False
         #: The GPU bound for this Comm's ranks (:func:`mpiattn.gpu.bind_device`), or None.
         self.gpu_device: Any = None
+        #: Collective checks opened on this Comm (:meth:`allgather_checked`'s call numbers).
+        self.calls = 0
 
     def free(self) -> None:
         """Release the sub-communicators, the device transport and the duplicate (local; idempotent)."""
@@ -181,17 +190,37 @@ class Comm:
         """:func:`mpiattn.comm.errors.agree` on this communicator (a purely local block)."""
         return errors.agree(self.mpi)
 
-    def allgather_checked(self, fn: Callable[[], Any]) -> list:
+    def allgather_checked(self, fn: Callable[[], Any], call: str | None = None) -> list:
         """:func:`mpiattn.comm.errors.allgather_checked` on this communicator.
 
-        Every public call starts with it; the first one on this Comm also
+        Every public call starts with it. ``call`` names it (default: the
+        calling function); with the number of checks made on this Comm so
+        far it tags the check, so that ranks in different calls get one clear
+        error instead of mismatched messages. The first one on this Comm also
         warns (no communication) when the node is oversubscribed with BLAS
         threads (:func:`mpiattn.comm.node.warn_if_oversubscribed`).
         """
+        return self._checked(fn, call or _caller())
+
+    def agree(self, fn: Callable[[], dict], call: str | None = None) -> list:
+        """:meth:`allgather_checked` of the local dict ``fn()``, then every field whose name does
+        not start with ``_`` compared with rank 0's (:func:`mpiattn.comm.errors.same_fields`:
+        "ranks disagree on X: rank 0 has ..., rank 2 has ..."). Returns every rank's dict."""
+        got = self._checked(fn, call or _caller())
+        with errors.alike():
+            errors.same_fields(got)
+        return got
+
+    def _checked(self, fn: Callable[[], Any], call: str) -> list:
         if self.node is not None and not self._threads_checked:
             self._threads_checked = True
             node.warn_if_oversubscribed(self.node)
-        return errors.allgather_checked(self.mpi, fn)
+        self.calls += 1
+        try:
+            return errors.allgather_checked(self.mpi, fn, (call, self.calls))
+        except errors.CallMismatch as exc:  # every rank is here: be in step again from now on
+            self.calls = max(t[1] for t in exc.tags if isinstance(t, tuple) and len(t) == 2)
+            raise
 
     def abort_on_error(self) -> contextlib.AbstractContextManager[None]:
         """:func:`mpiattn.comm.errors.abort_on_error` on this communicator.

@@ -7,7 +7,7 @@ Two ways for a job to end cleanly when some rank fails:
   lowest failing rank (same type and message), so every rank takes the same
   branch and nobody waits in a collective the others never reach. Checks on
   data every rank holds (gathered metadata) raise inside :func:`alike`, or
-  through :func:`same_everywhere` / :func:`agree_fields` ("ranks disagree on
+  through :func:`same_everywhere` / :func:`same_fields` ("ranks disagree on
   ..."). All these errors carry the marker :class:`Agreed`; anything else a
   rank raises is its own failure.
 * :func:`abort_on_error` around communication: a rank that fails there may
@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["CollectiveError", "Agreed", "mark", "alike", "same_everywhere", "agree_fields", "agree",
+__all__ = ["CollectiveError", "CallMismatch", "Agreed", "mark", "alike", "same_everywhere", "same_fields", "agree",
            "allgather_checked", "abort_on_error", "raise_first", "claim_ending", "abort_job",
            "DEFER_S", "SETTLE_S"]
 
@@ -58,6 +58,15 @@ _ENDING = threading.Lock()
 
 class CollectiveError(RuntimeError):
     """Raised on every rank when a rank failed with an exception that cannot be rebuilt."""
+
+
+class CallMismatch(RuntimeError):
+    """Raised on every rank when the ranks are in different collective calls (:func:`allgather_checked`).
+
+    ``tags`` holds every rank's tag.
+    """
+
+    tags: list = []
 
 
 class Agreed:
@@ -132,17 +141,16 @@ def same_everywhere(values: list, what: str, show: Callable[[Any], str] = repr) 
                                   f"rank {r} has {show(value)}"))
 
 
-def agree_fields(mpi_comm: Any, fields: dict, what: str = "") -> list[dict]:
-    """Allgather every rank's ``fields`` (small, picklable) and check them field by field.
+def same_fields(got: list, what: str = "") -> None:
+    """Raise (marked, every rank alike) unless every rank's dict in the gathered ``got`` equals rank
+    0's on each field whose name does not start with ``_`` (in the order of rank 0's dict).
 
-    Returns every rank's dict. Raises (marked, alike) ValueError naming the
-    first field, in the order of rank 0's dict, on which a rank differs from
-    rank 0 (prefixed with ``what``, e.g. ``"attention: "``).
+    The message names the field (prefixed with ``what``) and the first rank that differs:
+    ``ranks disagree on window: rank 0 has (1, 0), rank 2 has (2, 0)``.
     """
-    got = mpi_comm.allgather(fields) if mpi_comm.Get_size() > 1 else [fields]
     for name in got[0]:
-        same_everywhere([g.get(name) for g in got], f"{what}{name}")
-    return got
+        if not name.startswith("_"):
+            same_everywhere([g.get(name) for g in got], f"{what}{name}")
 
 
 def _report(err: BaseException | None) -> tuple[type, str] | None:
@@ -182,12 +190,14 @@ def agree(mpi_comm: Any) -> Iterator[None]:
     The block must be purely local (no communication): a rank that raises
     skips the rest of it. At the end every rank learns whether any rank
     failed (one small allreduce) and, if so, every rank raises the exception
-    of the lowest failing rank.
+    of the lowest failing rank. A ``KeyboardInterrupt`` counts as a failure:
+    every rank then raises ``KeyboardInterrupt`` (marked), so a program's own
+    ``except KeyboardInterrupt`` and ``finally`` run on every rank.
     """
     err: BaseException | None = None
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised collectively below
         err = exc
     if mpi_comm.Get_size() == 1:
         if err is not None:
@@ -199,27 +209,53 @@ def agree(mpi_comm: Any) -> Iterator[None]:
         raise_first(mpi_comm.allgather(_report(err)), err)
 
 
-def allgather_checked(mpi_comm: Any, fn: Callable[[], Any]) -> list:
+def allgather_checked(mpi_comm: Any, fn: Callable[[], Any], tag: Any = None) -> list:
     """Run the local function ``fn`` on every rank and allgather its results.
 
     One collective serves both: if ``fn`` raised on any rank, every rank
     raises the exception of the lowest failing rank (as :func:`agree` does);
     otherwise every rank gets the list of all ranks' results (small, pickled).
+
+    ``tag`` ``(call, number)`` names the collective call this check opens
+    (:meth:`mpiattn.comm.core.Comm.allgather_checked` counts them per
+    communicator): ranks whose tags differ are in different calls (a rank
+    skipped one, or caught an error the others did not see), and every rank
+    raises the same RuntimeError naming them, instead of going on with
+    mismatched messages. A ``KeyboardInterrupt`` inside ``fn`` is agreed
+    like an error: every rank raises ``KeyboardInterrupt`` (it cannot leave
+    the others waiting here).
     """
     err: BaseException | None = None
     result = None
     try:
         result = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised collectively below
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - re-raised collectively below
         err = exc
     if mpi_comm.Get_size() == 1:
         if err is not None:
             raise mark(err) from err.__cause__
         return [result]
-    reports = mpi_comm.allgather((_report(err), result))
-    if any(rep is not None for rep, _ in reports):
-        raise_first([rep for rep, _ in reports], err)
-    return [res for _, res in reports]
+    reports = mpi_comm.allgather((tag, _report(err), result))
+    tags = [t for t, _, _ in reports]
+    for r, t in enumerate(tags):
+        if t != tags[0]:
+            exc = mark(CallMismatch(f"ranks are in different collective calls: rank 0 is in "
+                                    f"{_call(tags[0])}, rank {r} in {_call(t)}; every rank must "
+                                    "make the same mpiattn calls on a communicator, in the same "
+                                    "order (a rank that skipped one, e.g. a backward that runs "
+                                    "on some ranks only, or caught an error the others did not "
+                                    "get)"))
+            exc.tags = tags
+            raise exc from err
+    if any(rep is not None for _, rep, _ in reports):
+        raise_first([rep for _, rep, _ in reports], err)
+    return [res for _, _, res in reports]
+
+
+def _call(tag: Any) -> str:
+    if isinstance(tag, tuple) and len(tag) == 2:
+        return f"{tag[0]} (its call {tag[1]} on this communicator)"
+    return repr(tag)
 
 
 @contextlib.contextmanager
@@ -233,7 +269,9 @@ def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> It
     :data:`DEFER_S` seconds first, so that when every rank fails only rank
     0's message appears, and rank 0 waits :data:`SETTLE_S` seconds before
     reporting an environmental error, so that a signal arriving at the same
-    time is what the message names.
+    time is what the message names. A ``KeyboardInterrupt`` (Ctrl-C) here
+    ends the job with exit code 130: the other ranks may be inside MPI
+    waiting for this one, where no Python exception can reach them.
     """
     try:
         yield
@@ -242,8 +280,14 @@ def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> It
         if size == 1:
             raise
         rank = mpi_comm.Get_rank()
+        interrupted = isinstance(exc, KeyboardInterrupt)
         bug = not isinstance(exc, (OSError, MemoryError, KeyboardInterrupt))
         time.sleep(DEFER_S if rank else (0.0 if bug else SETTLE_S))
+        if interrupted:
+            abort_job(mpi_comm, 130, f"mpiattn: interrupted (KeyboardInterrupt) on rank {rank} of "
+                                     f"{size} inside a collective call: ending every rank (exit code "
+                                     "130), since the others may be waiting inside MPI for this one",
+                      hooks=hooks)
         abort_job(mpi_comm, 1,
                   f"mpiattn: error: rank {rank} of {size} failed during communication: "
                   f"{type(exc).__name__}: {exc}; aborting the job so no rank waits forever\n"

@@ -27,14 +27,16 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..comm.device import prepare
-from ..io.kvstore import read_cache_meta, read_cache_rows, save_cache
+from ..io.atomic import Target, publish
+from ..io.kvstore import cache_target, read_cache_meta, read_cache_rows
+from ..io.naming import NEW, REPLACE, Rule
 from ..io.publishing import Outputs
 from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
 from ..strategies import machines
 from ..strategies.problem import FUSED_VARIABLE
-from ..strategies.spec import Options
+from ..strategies.spec import SKIP_FINITE, Options
 from .decode import checksum, decode, step_spec
 from .local import Rules
 from .placement import PAGE_ROWS, POLICY, Placement, check_page
@@ -42,6 +44,11 @@ from .prefill import VARIANTS, choose, pass_kv, pass_q, runs_of
 from .shard import Shard
 
 __all__ = ["KVCache"]
+
+
+def _nonfinite(xp: Any, *named: tuple[str, Any]) -> str | None:
+    """The name of the first array holding NaN or Inf, or None."""
+    return next((name for name, x in named if x.size and not bool(xp.isfinite(x).all())), None)
 
 
 class KVCache:
@@ -63,6 +70,8 @@ class KVCache:
 
     def __init__(self, c: Comm, shard: Shard, placement: Placement):
         self.comm, self.shard, self.placement = c, shard, placement
+        #: The file :meth:`load` read, ``(device, inode, size, mtime_ns)``; None otherwise.
+        self.identity: tuple | None = None
 
     # ------------------------------------------------------------ properties
     length = property(lambda self: self.placement.total)
@@ -104,7 +113,7 @@ class KVCache:
     # --------------------------------------------------------------- making
     @classmethod
     def from_shards(cls, k: Any, v: Any, comm: Any = None, *, layout: Any = "contiguous",
-                    page: int = PAGE_ROWS) -> "KVCache":
+                    page: int = PAGE_ROWS, check_finite: bool = True) -> "KVCache":
         """Adopt every rank's rows of a prefilled sequence (collective).
 
         Parameters
@@ -117,7 +126,12 @@ class KVCache:
         layout : str or Layout
             The rows' layout (as in :func:`mpiattn.attention`).
         page : int
-            Rows per page of later appends (:mod:`mpiattn.inference.placement`).
+            Rows per page of later appends, 1 to
+            :data:`~mpiattn.inference.placement.MAX_PAGE_ROWS`
+            (:mod:`mpiattn.inference.placement`).
+        check_finite : bool
+            Refuse keys or values holding NaN or Inf (a NaN key makes every
+            query that sees it NaN).
 
         Returns
         -------
@@ -128,8 +142,8 @@ class KVCache:
         Raises
         ------
         ValueError, TypeError
-            On every rank alike: bad shapes or dtypes, ranks that disagree,
-            lengths that do not match the layout.
+            On every rank alike: bad shapes or dtypes, a bad page, NaN or Inf
+            values, ranks that disagree, lengths that do not match the layout.
         """
         c = get_comm(comm)
 
@@ -146,16 +160,16 @@ class KVCache:
                 raise ValueError(f"k {k.shape} and v {v.shape} must agree in batch, heads and rows")
             if k.shape[1] < 1:
                 raise ValueError("k has no key/value head")
+            bad = _nonfinite(xp, ("k", k), ("v", v)) if check_finite else None
+            if bad:
+                raise ValueError(f"{bad} holds NaN or Inf ({SKIP_FINITE})")
             check_layout(layout)
             return {"shapes (B, Hkv, E, Ev)": (k.shape[0], k.shape[1], k.shape[3], v.shape[3]),
                     "dtype": str(k.dtype), "backend": xp.__name__, "layout": layout_key(layout),
                     "page": check_page(page), "_m": int(k.shape[2])}
 
-        got = c.allgather_checked(local)
+        got = c.agree(local)
         with errors.alike():
-            for name in got[0]:
-                if not name.startswith("_"):
-                    errors.same_everywhere([g[name] for g in got], name)
             counts = [g["_m"] for g in got]
             M = sum(counts)
             check_shares(counts, layout, "key/value rows (k, v)")
@@ -168,7 +182,7 @@ class KVCache:
 
     @classmethod
     def load(cls, path: str | os.PathLike, comm: Any = None, *, page: int | None = None,
-             device: str = "numpy") -> "KVCache":
+             device: str = "numpy", check_finite: bool = True) -> "KVCache":
         """Read a cache saved by :meth:`save`, at any number of ranks (collective).
 
         The rows are rebalanced: rank ``r`` reads the ``r``-th of ``P``
@@ -182,12 +196,21 @@ class KVCache:
             Rows per page of later appends; default the saved one.
         device : {"numpy", "cupy"}
             Where the rows go (``cupy``: each rank's current device).
+        check_finite : bool
+            Refuse a cache holding NaN or Inf.
 
         Raises
         ------
         FileNotFoundError, OSError, ValueError, TypeError
             On every rank alike: a missing, unreadable, truncated or
-            replaced file, or one that is no cache of this format.
+            replaced file, one that is no cache of this format, or NaN or
+            Inf values.
+
+        Notes
+        -----
+        :attr:`identity` records the file read ``(device, inode, size,
+        mtime_ns)``: ``save(path, grow=True)`` replaces it only while it is
+        still that file.
         """
         c = get_comm(comm)
         path = os.fspath(path)
@@ -200,6 +223,10 @@ class KVCache:
         seg = all_segments(M, c.size, "contiguous")[c.rank]
         start, stop = (seg[0][0], seg[0][0] + seg[0][1]) if seg else (0, 0)
         k, v = read_cache_rows(c, path, meta, start, stop)
+        with c.collective_errors():
+            if check_finite and _nonfinite(np, ("k", k), ("v", v)):
+                raise ValueError(f"the cache {path} holds NaN or Inf keys or values (near "
+                                 f"positions {start}..{stop - 1}; {SKIP_FINITE})")
         if device == "cupy":
             import cupy
 
@@ -210,10 +237,12 @@ class KVCache:
         shard = Shard(backend.array_module(k), k.dtype, meta["B"], meta["Hkv"], meta["E"],
                       meta["Ev"], page)
         shard.adopt(k, v, np.arange(start, stop, dtype=np.int64))
-        return cls(c, shard, Placement.start(counts, page))
+        cache = cls(c, shard, Placement.start(counts, page))
+        cache.identity = tuple(meta["identity"])
+        return cache
 
     # -------------------------------------------------------------- growing
-    def append(self, k_new: Any, v_new: Any) -> None:
+    def append(self, k_new: Any, v_new: Any, *, check_finite: bool = True) -> None:
         """Add ``t`` new tokens (collective): the same ``k_new``, ``v_new`` on every rank.
 
         Parameters
@@ -224,14 +253,18 @@ class KVCache:
             length + t - 1``; each page of them goes to one rank
             (:class:`~mpiattn.inference.placement.Placement`), which copies
             its rows; nothing is sent.
+        check_finite : bool
+            Refuse new rows holding NaN or Inf.
 
         Raises
         ------
-        ValueError, TypeError
-            On every rank alike: wrong shape, dtype or device, or arrays that
-            differ between ranks (their CRC-32 is compared).
+        ValueError, TypeError, MemoryError
+            On every rank alike: wrong shape, dtype or device, NaN or Inf,
+            arrays that differ between ranks (their CRC-32 is compared), or
+            no memory for the pages (allocated before any row is placed).
         """
         s = self.shard
+        reserved: list = []
 
         def local() -> dict:
             xp = backend.array_module(k_new, v_new)
@@ -246,13 +279,19 @@ class KVCache:
                                      f"({s.B}, {s.Hkv}, t, {F}), got {x.shape}")
             if k_new.shape[2] != v_new.shape[2]:
                 raise ValueError(f"append: k_new has {k_new.shape[2]} rows, v_new {v_new.shape[2]}")
+            bad = _nonfinite(xp, ("k_new", k_new), ("v_new", v_new)) if check_finite else None
+            if bad:
+                raise ValueError(f"append: {bad} holds NaN or Inf ({SKIP_FINITE})")
+            runs, _ = self.placement.place(int(k_new.shape[2]))  # every rank places alike
+            reserved.extend(s.reserve(sum(b - a for owner, a, b in runs if owner == self.comm.rank)))
             return {"append's rows": int(k_new.shape[2]),
                     "append's values (CRC-32 of k_new, v_new)": (checksum(k_new), checksum(v_new))}
 
-        got = self.comm.allgather_checked(local)
-        with errors.alike():
-            for name in got[0]:
-                errors.same_everywhere([g[name] for g in got], name)
+        try:
+            self.comm.agree(local)
+        except Exception:
+            s.unreserve(reserved)
+            raise
         t = int(k_new.shape[2])
         runs, after = self.placement.place(t)
         base = self.length
@@ -366,11 +405,8 @@ class KVCache:
                     "_n": int(q.shape[2]), "_spec": spec,
                     "_engine": engines.local_choice(engine, spec)}
 
-        got = c.allgather_checked(local)
+        got = c.agree(local)
         with errors.alike():
-            for name in got[0]:
-                if not name.startswith("_"):
-                    errors.same_everywhere([g[name] for g in got], name)
             counts = [g["_n"] for g in got]
             C = sum(counts)
             check_shares(counts, layout, "the chunk's rows (q, k, v)")
@@ -401,8 +437,23 @@ class KVCache:
         return out, lse
 
     # --------------------------------------------------------------- saving
-    def save(self, path: str | os.PathLike, *, force: bool = False, extra: dict | None = None,
-             attrs: dict | None = None, outputs: Outputs | None = None) -> None:
+    def target(self, path: str | os.PathLike, *, rule: Rule = NEW, extra: dict | None = None,
+               attrs: dict | None = None) -> Target:
+        """The cache as a file to publish (collective): :meth:`save`'s file, named by ``rule``,
+        for :func:`mpiattn.io.publish` beside other files (an output and the cache grown for it)."""
+        kx, vx, _ = self.shard.whole()
+        lay = self.layout()
+        meta = {"length": self.length, "page": self.page, "placement": POLICY,
+                "ranks": self.comm.size, "rows_per_rank": list(self.placement.counts),
+                **dict(attrs or {})}
+        return cache_target(self.comm, os.path.abspath(os.fspath(path)),
+                            Rows(backend.to_host(kx), self.length, 2, lay),
+                            Rows(backend.to_host(vx), self.length, 2, lay), meta, extra=extra,
+                            rule=rule)
+
+    def save(self, path: str | os.PathLike, *, force: bool = False, grow: bool = False,
+             extra: dict | None = None, attrs: dict | None = None,
+             outputs: Outputs | None = None) -> None:
         """Write the cache to HDF5 (collective; :mod:`mpiattn.io.kvstore`), atomically.
 
         Each rank writes its own rows at their global positions (a host copy
@@ -413,8 +464,14 @@ class KVCache:
         Parameters
         ----------
         path : path-like
+            The same on every rank.
         force : bool
-            Replace an existing file (atomically).
+            Replace an existing file (atomically; its permission bits are kept).
+        grow : bool
+            Replace the file :meth:`load` read, and only while it is still
+            that file (:attr:`identity`): of two programs growing one cache
+            file at once, the second to save gets an error instead of
+            silently dropping the first one's rows. Refuses a read-only file.
         extra : dict of str to mpiattn.io.Rows, optional
             Other datasets to write beside ``k`` and ``v``.
         attrs : dict, optional
@@ -425,14 +482,15 @@ class KVCache:
         Raises
         ------
         OSError, ValueError
-            On every rank alike; ``path`` is then unchanged.
+            On every rank alike (``mpiattn.io.ChangedError`` when ``grow``
+            finds another file); ``path`` is then unchanged.
         """
-        kx, vx, pos = self.shard.whole()
-        lay = self.layout()
-        meta = {"length": self.length, "page": self.page, "placement": POLICY,
-                "ranks": self.comm.size, "rows_per_rank": list(self.placement.counts),
-                **dict(attrs or {})}
-        save_cache(self.comm, os.fspath(path), Rows(backend.to_host(kx), self.length, 2, lay),
-                   Rows(backend.to_host(vx), self.length, 2, lay), meta, extra=extra, force=force,
-                   outputs=outputs)
-
+        c = self.comm
+        path = os.path.abspath(os.fspath(path))
+        c.agree(lambda: {"save's path": path, "save's force": bool(force), "save's grow": bool(grow)})
+        with errors.alike():
+            if grow and self.identity is None:
+                raise ValueError("save(grow=True) replaces the file the cache was loaded from; this "
+                                 "cache was not loaded from a file")
+        rule = Rule.grows(self.identity) if grow else (REPLACE if force else NEW)
+        publish(c, [self.target(path, rule=rule, extra=extra, attrs=attrs)], outputs=outputs)

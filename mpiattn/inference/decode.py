@@ -36,7 +36,7 @@ from ..kernels import DEFAULT_TILE, engines
 from ..masks import MaskSpec
 from ..strategies.machines import Machine
 from ..strategies.problem import FUSED_VARIABLE
-from ..strategies.spec import AttentionSpec, Options
+from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
 from .local import Rules, partial_attention
 from .merge import tree_merge
 from .shard import Shard
@@ -94,7 +94,7 @@ def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
     if t < 1:
         raise ValueError("q holds no new token (t = 0)")
     if options.check_finite and not bool(xp.isfinite(q).all()):
-        raise ValueError("q contains NaN or Inf (pass check_finite=False to skip this check)")
+        raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
     scale = 1.0 / math.sqrt(E) if options.scale is None else options.scale
     fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
     spec = step_spec(shard, length, q, options, scale, fused)
@@ -134,11 +134,8 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     ValueError, TypeError
         On every rank alike (marked :class:`mpiattn.comm.errors.Agreed`).
     """
-    got = c.allgather_checked(lambda: _local(shard, length, q, dict(settings)))
+    got = c.agree(lambda: _local(shard, length, q, dict(settings)), call="KVCache.attend")
     with errors.alike():
-        for name in got[0]:
-            if not name.startswith("_"):
-                errors.same_everywhere([g[name] for g in got], name)
         for r, g in enumerate(got):
             if not g["_engine"][0]:
                 raise ValueError(f"engine {settings.get('engine')!r} cannot run on rank {r}: "

@@ -9,6 +9,10 @@ block merge)::
     lse = max(lse_a, lse_b) + log(exp(lse_a - max) + exp(lse_b - max))
     o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b      (both -inf: o = 0, lse = -inf)
 
+A partial that is NaN (or +inf: a key of infinite score, allowed only with
+``check_finite=False``) makes the merge NaN, as one process attending every
+key gives: the result does not depend on how the keys were split.
+
 :func:`merge` is symmetric bit for bit (``merge(a, b) == merge(b, a)``) but,
 rounded, not associative, so :func:`tree_merge` fixes the association: a
 binomial tree to rank 0 (rank ``r`` merges what ``r + d`` sends, ``d = 1, 2,
@@ -48,15 +52,17 @@ def merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
     (o, lse) : new arrays, shapes (..., Ev) and (...)
     """
     xp = backend.array_module(o_a, o_b)
-    m = xp.maximum(lse_a, lse_b)
+    m = xp.maximum(lse_a, lse_b)  # (NaN where either is NaN)
     seen = xp.isfinite(m)
     base = xp.where(seen, m, 0)
     wa, wb = xp.exp(lse_a - base), xp.exp(lse_b - base)
     total = wa + wb
     safe = xp.where(seen, total, 1)
-    lse = xp.where(seen, base + xp.log(safe), -np.inf).astype(lse_a.dtype, copy=False)
+    empty = xp.where(m == -np.inf, 0, np.nan)  # no key on either side, or a NaN / +inf partial
+    lse = xp.where(seen, base + xp.log(safe), xp.where(m == -np.inf, -np.inf, np.nan))
+    lse = lse.astype(lse_a.dtype, copy=False)
     o = (wa[..., None] * o_a + wb[..., None] * o_b) / safe[..., None]
-    o = xp.where(seen[..., None], o, 0).astype(o_a.dtype, copy=False)
+    o = xp.where(seen[..., None], o, empty[..., None]).astype(o_a.dtype, copy=False)
     return o, lse
 
 

@@ -24,7 +24,9 @@ import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Placement", "PAGE_ROWS", "POLICY", "check_page"]
+from ..io.kvstore import MAX_PAGE_ROWS  # a page is allocated whole by its first append
+
+__all__ = ["Placement", "PAGE_ROWS", "MAX_PAGE_ROWS", "POLICY", "check_page"]
 
 #: Default rows per page (the unit of placement and of storage growth).
 PAGE_ROWS = 4096
@@ -34,15 +36,16 @@ POLICY = "pages to the rank with the fewest rows, ties round-robin"
 
 
 def check_page(page: Any) -> int:
-    """``page`` as a positive int (TypeError / ValueError otherwise)."""
+    """``page`` as an int in ``1 ..`` :data:`MAX_PAGE_ROWS` (TypeError / ValueError otherwise)."""
     if isinstance(page, bool):
         raise TypeError(f"page must be a positive integer (rows), got {page!r}")
     try:
         page = operator.index(page)
     except TypeError:
         raise TypeError(f"page must be a positive integer (rows), got {page!r}") from None
-    if page < 1:
-        raise ValueError(f"page must be >= 1 row, got {page}")
+    if not 1 <= page <= MAX_PAGE_ROWS:
+        raise ValueError(f"page must be 1 to {MAX_PAGE_ROWS} rows (a page is allocated whole), "
+                         f"got {page}")
     return int(page)
 
 

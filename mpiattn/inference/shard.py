@@ -56,7 +56,7 @@ class Shard:
         self.xp, self.dtype = xp, np.dtype(dtype)
         self.B, self.Hkv, self.E, self.Ev, self.page = B, Hkv, E, Ev, page
         self.blocks: list[Block] = []
-        self._open: Block | None = None  # the page appends fill (None: allocate one)
+        self._open: list[Block] = []  # pages with room, in the order appends fill them
 
     # ----------------------------------------------------------------- size
     @property
@@ -92,23 +92,41 @@ class Shard:
         k, v = self.xp.ascontiguousarray(k), self.xp.ascontiguousarray(v)
         self.blocks.append(Block(k, v, pos.copy(), int(pos.size)))
 
+    def reserve(self, t: int) -> list:
+        """Allocate the pages that ``t`` more appended rows need (MemoryError: nothing changes);
+        returns the new pages (for :meth:`unreserve`)."""
+        room = sum(b.room for b in self._open)
+        new = []
+        xp = self.xp
+        while room + len(new) * self.page < t:
+            new.append(Block(xp.empty((self.B, self.Hkv, self.page, self.E), self.dtype),
+                             xp.empty((self.B, self.Hkv, self.page, self.Ev), self.dtype),
+                             np.zeros(self.page, np.int64), 0))
+        self._open += new
+        self.blocks += new
+        return new
+
+    def unreserve(self, pages: list) -> None:
+        """Forget ``pages`` reserved but never filled (an append that was refused)."""
+        ids = {id(b) for b in pages if b.used == 0}
+        self._open = [b for b in self._open if id(b) not in ids]
+        self.blocks = [b for b in self.blocks if id(b) not in ids]
+
     def extend(self, k: Any, v: Any, pos: np.ndarray) -> None:
         """Copy the rows ``k (B, Hkv, t, E)``, ``v``, at positions ``pos (t,)``, into pages."""
         done, t = 0, int(pos.size)
+        self.reserve(t)
         while done < t:
-            if self._open is None or self._open.room == 0:
-                xp = self.xp
-                self._open = Block(xp.empty((self.B, self.Hkv, self.page, self.E), self.dtype),
-                                   xp.empty((self.B, self.Hkv, self.page, self.Ev), self.dtype),
-                                   np.zeros(self.page, np.int64), 0)
-                self.blocks.append(self._open)
-            b = self._open
+            while self._open[0].room == 0:
+                self._open.pop(0)
+            b = self._open[0]
             take = min(b.room, t - done)
             b.k[:, :, b.used:b.used + take] = k[:, :, done:done + take]
             b.v[:, :, b.used:b.used + take] = v[:, :, done:done + take]
             b.pos[b.used:b.used + take] = pos[done:done + take]
             b.used += take
             done += take
+        self._open = [b for b in self._open if b.room]
 
     # --------------------------------------------------------------- reading
     def views(self) -> Iterator[tuple[Any, Any, np.ndarray]]:

@@ -2,6 +2,8 @@
 
 ``paths``
     what is wrong with a path (missing, a dangling link, a link loop);
+``naming``
+    giving finished files their names: no-clobber, replace, replace the file read;
 ``temporaries``
     locked temporary directories; removing those of dead writers;
 ``publishing``
@@ -20,15 +22,17 @@
 
 from __future__ import annotations
 
-from .atomic import check_output, check_space, write_atomically
+from .atomic import Target, check_output, check_space, check_targets, publish, write_atomically
 from .checkpoint import load_params, save_params
 from .reading import (SEQ_AXIS_FROM_END, Inputs, NonFiniteError, file_info, parallel_hdf5,
                       read_attributes, read_input, read_meta)
 from .publishing import Outputs, Stopped
 from .temporaries import Stale, remove_stale
-from .writing import CHUNK_BYTES, Rows, write_rows
+from .naming import NEW, REPLACE, ChangedError, Rule
+from .writing import CHUNK_BYTES, Rows, rows_target, write_rows
 
 __all__ = ["NonFiniteError", "Rows", "Inputs", "parallel_hdf5", "file_info", "read_attributes",
            "read_meta", "read_input", "check_output", "write_rows", "write_atomically", "save_params",
            "load_params", "CHUNK_BYTES", "SEQ_AXIS_FROM_END", "check_space", "remove_stale",
-           "Stale", "Outputs", "Stopped"]
+           "Stale", "Outputs", "Stopped", "Target", "check_targets", "publish", "rows_target", "Rule",
+           "NEW", "REPLACE", "ChangedError"]

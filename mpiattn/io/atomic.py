@@ -19,15 +19,18 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from ..comm import errors
 from ..comm.core import Comm, get_comm
+from .naming import NEW, REPLACE, Rule, check_target
 from .paths import missing
 from .publishing import Outputs
 
-__all__ = ["on_rank0", "check_output", "check_space", "write_atomically", "space_needed",
-           "NoSpaceError"]
+__all__ = ["on_rank0", "check_output", "check_space", "check_targets", "write_atomically", "publish",
+           "Target",
+           "space_needed", "NoSpaceError"]
 
 
 def on_rank0(c: Any, fn: Callable[[], Any], *, share: bool = True) -> Any:
@@ -169,25 +172,65 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force: bool = False,
-                     nbytes: int | None = None, outputs: Outputs | None = None) -> None:
-    """Run the collective ``write(tmp)``, then publish ``tmp`` as ``path`` (collective).
+@dataclass(frozen=True)
+class Target:
+    """One file of an atomic publication (:func:`publish`).
+
+    Attributes
+    ----------
+    path : str
+        The final name (made absolute).
+    write : callable(tmp) or None
+        Writes the whole file under the temporary name ``tmp`` (the same on
+        every rank); called on every rank. It must raise the same exception
+        on every rank or none (or abort the job through the Comm). None for
+        a target that is only checked (:func:`check_targets`).
+    rule : mpiattn.io.naming.Rule
+        How it takes its name: never over an existing file (``NEW``), over
+        any (``REPLACE``: ``force``), or over the very file this run read
+        (``Rule.grows(identity)``).
+    nbytes : int, optional
+        The size of its data, when known: the free space is checked first.
+    """
+
+    path: str
+    write: Callable[[str], None] | None
+    rule: Rule = NEW
+    nbytes: int | None = None
+
+
+def _targets_problem(targets: Sequence[Target]) -> None:
+    """Raise when a target cannot be written (rank 0): each path, then the space per file system."""
+    need: dict[int, tuple[str, int]] = {}
+    for t in targets:
+        _output_problem(t.path, t.rule.replace)
+        check_target(t.path, t.rule)
+        if t.nbytes is not None:
+            directory = os.path.dirname(t.path) or "."
+            dev = os.stat(directory).st_dev
+            first, total = need.get(dev, (t.path, 0))
+            need[dev] = (first, total + int(t.nbytes))
+    for path, nbytes in need.values():
+        _space_problem(path, nbytes)
+
+
+def check_targets(c: Comm, targets: Sequence[Target]) -> None:
+    """Check, before computing, that every target can be written as its rule says (rank 0 checks;
+    the same error on every rank): directories, existing files, identities, free space."""
+    on_rank0(c, lambda: _targets_problem([Target(os.path.abspath(t.path), t.write, t.rule,
+                                                 t.nbytes) for t in targets]))
+
+
+def publish(c: Comm, targets: Sequence[Target], *, outputs: Outputs | None = None) -> None:
+    """Write files collectively, then give them their names together (collective).
 
     Parameters
     ----------
     c : Comm
-    path : str
-        The final name (absolute or relative).
-    write : callable(tmp)
-        Writes the whole file under the temporary name ``tmp`` (the same on
-        every rank); called on every rank. It must raise the same exception
-        on every rank or none (or abort the job through ``c``).
-    force : bool
-        Replace an existing ``path`` (atomically: ``os.replace``). Without
-        it an existing ``path`` is never replaced, however late it appears
-        (a hard link, which fails if the name exists).
-    nbytes : int, optional
-        The size of the data to be written: the free space is checked first.
+    targets : sequence of Target
+        Files published together: every one of them, or none. Their
+        directories, free space and rules are checked before anything is
+        written.
     outputs : Outputs, optional
         The program's outputs (:class:`mpiattn.io.publishing.Outputs`),
         whose :meth:`~mpiattn.io.publishing.Outputs.stop` a signal handler
@@ -196,51 +239,84 @@ def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force:
     Raises
     ------
     Exception
-        Whatever ``write`` raised, or the publishing error, on every rank;
-        ``path`` is then unchanged and the temporary removed.
+        Whatever a ``write`` raised, or the publishing error, on every rank;
+        every target is then as it was and the temporaries are removed.
 
     Notes
     -----
-    Rank 0 reserves a temporary directory with a lock it holds until the
-    directory is gone (:class:`mpiattn.io.temporaries.Temporary`); every
-    rank notes its name in ``outputs``, so that a signal handler on any
-    rank can remove it, and so does an abort through ``c``. Once written,
-    every rank votes to publish (the commit point); rank 0 then publishes.
+    Rank 0 reserves a temporary directory per file with a lock it holds
+    until the directory is gone (:class:`mpiattn.io.temporaries.Temporary`);
+    every rank notes their names in ``outputs``, so that a signal handler on
+    any rank can remove them, and so does an abort through ``c``. Once all
+    are written, every rank votes to publish them; rank 0 learning that
+    every rank voted is the commit point (:mod:`mpiattn.io.publishing`),
+    after which rank 0 names them (:func:`mpiattn.io.naming.publish_together`).
     """
-    path = os.path.abspath(path)
+    targets = [Target(os.path.abspath(t.path), t.write, t.rule, t.nbytes) for t in targets]
     outputs = Outputs() if outputs is None else outputs
-    check_output(path, c, force=force, nbytes=nbytes)
-    own = on_rank0(c, lambda: outputs.reserve(path), share=False)
-    name = c.bcast_obj(own.dir if c.rank == 0 else None) if c.size > 1 else own.dir
-    tmp = own if c.rank == 0 else outputs.adopt(name)
+    on_rank0(c, lambda: _targets_problem(targets))
+    tmps: list = []
 
-    def publish() -> None:
-        _fsync(tmp.data)
+    def reserve() -> list:
+        for t in targets:
+            tmps.append(outputs.reserve(t.path))
+        return tmps
+    try:
+        own = on_rank0(c, reserve, share=False)
+    except Exception:
+        for tmp in tmps:  # rank 0: those reserved before the failure
+            outputs.discard(tmp, remove=True)
+        raise
+    names = c.bcast_obj([tmp.dir for tmp in own] if c.rank == 0 else None) if c.size > 1 \
+        else [tmp.dir for tmp in own]
+    tmps = own if c.rank == 0 else [outputs.adopt(name) for name in names]
+    group = [(tmp, t.path) for tmp, t in zip(tmps, targets)]
+
+    def name_them() -> None:
+        for tmp in tmps:
+            _fsync(tmp.data)
         try:
-            outputs.publish(tmp, path, replace=force)
-        except FileExistsError:
-            raise FileExistsError(f"output {path} appeared while this run was writing it; not "
-                                  "replaced (overwrite with force=True, --force on the command "
-                                  "line)") from None
+            outputs.publish([(tmp, t.path, t.rule) for tmp, t in zip(tmps, targets)])
+        except FileExistsError as exc:
+            raise FileExistsError(f"output {exc.filename} appeared while this run was "
+                                  "writing it; not replaced (overwrite with force=True, --force on "
+                                  "the command line)") from None
 
     try:
         with c.cleanup_on_abort(outputs.remove_all):
-            write(tmp.data)
+            for tmp, t in zip(tmps, targets):
+                t.write(tmp.data)
         with c.collective_errors():
-            outputs.commit(tmp)  # the commit point: a rank stopped by a signal never votes
-        on_rank0(c, publish)
+            outputs.vote(group)  # a rank stopped by a signal never votes
+        outputs.decided(group)  # the commit point, as rank 0 sees it: unless rank 0 revoked it
+        on_rank0(c, name_them)
     except Exception as exc:  # raised identically on every rank: clean up, then let everyone raise
-        outputs.discard(tmp, remove=c.rank == 0)
-        c.barrier()  # nobody returns before the temporary file is gone
+        for tmp in tmps:
+            outputs.discard(tmp, remove=c.rank == 0)
+        c.barrier()  # nobody returns before the temporary files are gone
         if _disk_full(exc):
-            raise errors.mark(NoSpaceError(f"the disk filled up while writing {path} (No space "
-                                           f"left on device); nothing was written under that "
+            where = ", ".join(t.path for t in targets)
+            raise errors.mark(NoSpaceError(f"the disk filled up while writing {where} (No space "
+                                           "left on device); nothing was written under that "
                                            "name")) from exc
         marked = errors.mark(exc)
         if marked is exc:
             raise
         raise marked from exc.__cause__
     except BaseException:
-        outputs.discard(tmp, remove=c.rank == 0)
+        for tmp in tmps:
+            outputs.discard(tmp, remove=c.rank == 0)
         raise
-    outputs.settle(tmp, path)
+    outputs.settle(group)
+
+
+def write_atomically(c: Comm, path: str, write: Callable[[str], None], *, force: bool = False,
+                     nbytes: int | None = None, outputs: Outputs | None = None) -> None:
+    """Run the collective ``write(tmp)``, then publish ``tmp`` as ``path`` (collective).
+
+    One file of :func:`publish`: ``force`` replaces an existing ``path``
+    (atomically: ``os.replace``); without it an existing ``path`` is never
+    replaced, however late it appears (a hard link, which fails if the name
+    exists). ``nbytes``: the size of the data, for the free-space check.
+    """
+    publish(c, [Target(path, write, REPLACE if force else NEW, nbytes)], outputs=outputs)

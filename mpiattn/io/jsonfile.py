@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["read_json", "write_json"]
+__all__ = ["read_json", "write_json", "dump_json"]
 
 
 def read_json(path: str) -> Any:
@@ -28,17 +28,25 @@ def read_json(path: str) -> Any:
         raise ValueError(f"cannot read {path}: {exc}") from None
 
 
+def dump_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to the new file ``path`` (flushed to disk)."""
+    with open(path, "x", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_json(path: str, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file renamed over it (a reader sees
-    the old file or the new one, never a part)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """Write ``obj`` as JSON to ``path`` (local): inside a temporary that names its writer
+    (:class:`mpiattn.io.temporaries.Temporary`, which ``clean`` knows), then renamed over it,
+    keeping an existing file's mode; a reader sees the old file or the new one, never a part."""
+    from .naming import REPLACE, publish_together
+    from .temporaries import Temporary
+
+    tmp = Temporary.reserve(os.path.abspath(path))
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        dump_json(tmp.data, obj)
+        publish_together([(tmp.data, os.path.abspath(path), REPLACE)])
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.remove()

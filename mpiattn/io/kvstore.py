@@ -26,30 +26,42 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import Comm
-from .atomic import on_rank0
+from .atomic import Target, on_rank0, publish
+from .naming import NEW, REPLACE, Rule
 from .publishing import Outputs
-from .reading import _open_read, _plain, identity
-from .writing import Rows, write_rows
+from .reading import _open_read, _plain, _scale_attribute, identity, window_from_attribute
+from .writing import Rows, rows_target
 
-__all__ = ["FORMAT", "VERSION", "AXES", "save_cache", "read_cache_meta", "read_cache_rows",
-           "read_replicated"]
+__all__ = ["FORMAT", "VERSION", "AXES", "save_cache", "cache_target", "read_cache_meta",
+           "read_cache_rows", "read_replicated"]
+
+#: The largest ``page`` attribute (:data:`mpiattn.inference.placement.MAX_PAGE_ROWS`).
+MAX_PAGE_ROWS = 1 << 20
 
 #: The ``format`` attribute of a cache file, its version and its axes.
 FORMAT, VERSION, AXES = "mpiattn-kv-cache", 1, "batch,kv_heads,position,feature"
 
 
-def save_cache(c: Comm, path: str, k: Rows, v: Rows, attrs: Mapping[str, Any], *,
-               extra: Mapping[str, Rows] | None = None, force: bool = False,
-               outputs: Outputs | None = None) -> None:
-    """Write a cache (collective): this rank's ``k`` and ``v`` rows, ``attrs``, and ``extra`` datasets.
+def cache_target(c: Comm, path: str, k: Rows, v: Rows, attrs: Mapping[str, Any], *,
+                 extra: Mapping[str, Rows] | None = None, rule: Rule = NEW) -> Target:
+    """A cache file as a :class:`~mpiattn.io.atomic.Target` (collective): this rank's ``k`` and
+    ``v`` rows, ``attrs``, and ``extra`` datasets, named by ``rule``.
 
     ``k`` and ``v`` carry their :class:`~mpiattn.layouts.Layout` (the
-    positions each rank holds, increasing in its local order). Raises the
-    same error on every rank, ``path`` then unchanged.
+    positions each rank holds, increasing in its local order).
     """
     datasets = {"k": k, "v": v, **dict(extra or {})}
     meta = {"format": FORMAT, "format_version": VERSION, "axes": AXES, **dict(attrs)}
-    write_rows(path, datasets, c, layout="contiguous", attrs=meta, force=force, outputs=outputs)
+    return rows_target(path, datasets, c, layout="contiguous", attrs=meta, rule=rule)
+
+
+def save_cache(c: Comm, path: str, k: Rows, v: Rows, attrs: Mapping[str, Any], *,
+               extra: Mapping[str, Rows] | None = None, force: bool = False,
+               outputs: Outputs | None = None) -> None:
+    """Write a cache (collective; :func:`cache_target`), atomically. Raises the same error on
+    every rank, ``path`` then unchanged."""
+    target = cache_target(c, path, k, v, attrs, extra=extra, rule=REPLACE if force else NEW)
+    publish(c, [target], outputs=outputs)
 
 
 def _meta(path: str) -> dict:
@@ -85,11 +97,18 @@ def _meta(path: str) -> dict:
         if length != shapes["k"][2]:
             raise ValueError(f"{path}: attribute 'length' is {length!r} but the datasets hold "
                              f"{shapes['k'][2]} rows (a damaged or unfinished cache)")
-        if not isinstance(page, int) or page < 1:
-            raise ValueError(f"{path}: attribute 'page' must be a positive integer, got {page!r}")
+        if not isinstance(page, int) or isinstance(page, bool) or not 1 <= page <= MAX_PAGE_ROWS:
+            raise ValueError(f"{path}: attribute 'page' must be an integer from 1 to "
+                             f"{MAX_PAGE_ROWS}, got {page!r}")
+        try:
+            window = window_from_attribute(attrs.get("window"))
+        except ValueError as exc:
+            raise ValueError(f"{path}: attribute 'window': {exc}") from None
+        scale = _scale_attribute(path, attrs.get("scale"))
         B, Hkv, M, E = shapes["k"]
         return {"B": B, "Hkv": Hkv, "M": M, "E": E, "Ev": shapes["v"][3], "dtype": dtypes["k"].str,
-                "page": page, "attrs": attrs, "identity": identity(f),
+                "page": page, "window": window, "scale": scale, "attrs": attrs,
+                "identity": identity(f),
                 "extra": {name: tuple(int(x) for x in f[name].shape) for name in sorted(f.keys())
                           if name not in ("k", "v") and hasattr(f[name], "shape")}}
 
@@ -101,7 +120,9 @@ def read_cache_meta(c: Comm, path: str) -> dict:
     -------
     dict
         ``B, Hkv, M, E, Ev`` (int), ``dtype`` (str), ``page`` (int),
-        ``attrs`` (the root attributes), ``identity`` (the file read),
+        ``window`` (``(left, right)`` or None) and ``scale`` (float or None)
+        as the file's attributes say, ``attrs`` (the root attributes),
+        ``identity`` (the file read),
         ``extra`` (the other datasets' shapes, by name).
 
     Raises

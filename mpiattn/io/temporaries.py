@@ -43,12 +43,14 @@ import time
 import uuid
 from typing import NamedTuple
 
+from .naming import publish_file
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Temporary", "Stale", "remove_stale", "temporary_name", "publish_file"]
+__all__ = ["Temporary", "Stale", "remove_stale", "temporary_name"]
 
 #: ``.NAME.mpiattn-XXXXXXXXXX.tmp`` (a directory; an older mpiattn: a data file, with
 #: ``... .tmp.lock`` beside it).
@@ -63,9 +65,6 @@ ORPHAN_AGE_S = 600.0
 #: open is renamed ``.nfsXXXX``) counts as abandoned after this long.
 LOCKLESS_DIR_AGE_S = 60.0
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF)
-#: ``renameat2`` flag: fail with EEXIST when the target exists (Linux >= 3.15).
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
 
 
 def temporary_name(path: str) -> str:
@@ -138,57 +137,6 @@ def _remove_tree(directory: str) -> bool:
     return existed  # pragma: no cover - NFS: an open file renamed .nfsXXXX keeps it until closed
 
 
-def publish_file(src: str, dst: str, *, replace: bool) -> None:
-    """Give the complete file ``src`` the name ``dst`` atomically (same directory).
-
-    ``replace``: ``os.replace`` (an existing ``dst`` is swapped in one step).
-    Otherwise an atomic no-replace: ``os.link`` (fails with EEXIST if ``dst``
-    exists, whoever made it, however late), then ``src`` is unlinked; where
-    the file system has no hard links, ``renameat2(RENAME_NOREPLACE)``.
-
-    Raises
-    ------
-    FileExistsError
-        ``dst`` exists and ``replace`` is False.
-    OSError
-        The file system offers neither primitive (then nothing is renamed).
-    """
-    if replace:
-        os.replace(src, dst)
-        return
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        raise
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
-                             errno.EACCES, errno.EXDEV):
-            raise
-        _rename_noreplace(src, dst, exc)
-        return
-    _unlink(src)
-
-
-def _rename_noreplace(src: str, dst: str, cause: OSError) -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), dst)
-    raise OSError(errno.EOPNOTSUPP,
-                  f"cannot publish {dst} without the risk of replacing a file that appears at "
-                  f"the same moment: this file system has neither hard links "
-                  f"({cause.strerror}) nor renameat2(RENAME_NOREPLACE); pass --force "
-                  "(force=True) to replace atomically instead")
-
-
 class Temporary:
     """A temporary directory beside a target, reserved by a lock held by its owner.
 
@@ -202,6 +150,8 @@ class Temporary:
 
     def __init__(self, dir: str, fd: int | None = None):
         self.dir, self.fd = dir, fd
+        #: Reserved by this process (it holds the lock and publishes); False where adopted.
+        self.owner = fd is not None
 
     @property
     def data(self) -> str:
@@ -242,7 +192,7 @@ class Temporary:
                 os.close(fd)
                 _remove_tree(tmp.dir)
                 raise
-            tmp.fd = fd
+            tmp.fd, tmp.owner = fd, True
             return tmp
         raise OSError(f"cannot reserve a temporary file beside {target}")  # pragma: no cover
 
@@ -254,7 +204,8 @@ class Temporary:
             self.close()
 
     def publish(self, path: str, *, replace: bool) -> None:
-        """Publish the data file as ``path`` (:func:`publish_file`), then remove the rest (the owner)."""
+        """Publish the data file as ``path`` (:func:`mpiattn.io.naming.publish_file`), then remove
+        the rest (the owner)."""
         publish_file(self.data, path, replace=replace)
         self.remove()
 

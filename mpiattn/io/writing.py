@@ -29,12 +29,13 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..layouts import all_segments, check_layout, describe, local_length
-from .atomic import NoSpaceError, write_atomically
+from .atomic import NoSpaceError, Target, publish
+from .naming import NEW, REPLACE, Rule
 from .hdf5types import BFLOAT16, bfloat16_type
 from .publishing import Outputs
 from .reading import parallel_hdf5
 
-__all__ = ["Rows", "write_rows", "CHUNK_BYTES"]
+__all__ = ["Rows", "write_rows", "rows_target", "CHUNK_BYTES"]
 
 #: Target size of one HDF5 chunk of an output dataset.
 CHUNK_BYTES = 1 << 20
@@ -245,6 +246,31 @@ def _write_error(exc: BaseException, path: str) -> OSError | None:
     return OSError(errno.EIO, f"writing {path} with parallel HDF5 failed: {exc}")
 
 
+def rows_target(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
+                layout: str = "contiguous", attrs: Mapping[str, Any] | None = None,
+                rule: Rule = NEW) -> Target:
+    """The file of :func:`write_rows` as a :class:`~mpiattn.io.atomic.Target` (collective: the
+    datasets are checked and agreed now), to publish with others (:func:`mpiattn.io.atomic.publish`).
+    """
+    c = get_comm(comm)
+    path = os.path.abspath(path)
+    metas = c.allgather_checked(lambda: (check_layout(layout),
+                                         _local_meta(datasets, c.size, c.rank, layout))[1])
+    errors.same_everywhere(metas, "write_rows' datasets (global shape, dtype, axis)")
+    attrs = c.bcast_obj(dict(attrs or {})) if c.size > 1 else dict(attrs or {})
+
+    def segs_of(rows: Rows) -> list:
+        return all_segments(rows.length, c.size, layout if rows.layout is None else rows.layout)[c.rank]
+
+    def write(tmp: str) -> None:
+        if parallel_hdf5():
+            _write_parallel(c, tmp, metas[0], datasets, segs_of, attrs, path)
+        else:
+            _write_serial(c, tmp, metas[0], datasets, segs_of, attrs)
+
+    return Target(path, write, rule, data_bytes(metas[0]))
+
+
 def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
                layout: str = "contiguous", attrs: Mapping[str, Any] | None = None,
                force: bool = False, outputs: Outputs | None = None) -> None:
@@ -264,10 +290,10 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
     attrs : mapping, optional
         Root attributes (rank 0's values are used); None values are skipped.
     force : bool
-        Replace an existing ``path``.
+        Replace an existing ``path`` (its permission bits are kept).
     outputs : Outputs, optional
         The program's outputs, which a signal handler can stop
-        (:func:`mpiattn.io.atomic.write_atomically`).
+        (:func:`mpiattn.io.atomic.publish`).
 
     Raises
     ------
@@ -277,22 +303,9 @@ def write_rows(path: str, datasets: Mapping[str, Rows], comm: Any = None, *,
         anything is written when the directory has too little free space.
     """
     c = get_comm(comm)
-    path = os.path.abspath(path)
-    metas = c.allgather_checked(lambda: (check_layout(layout),
-                                         _local_meta(datasets, c.size, c.rank, layout))[1])
-    errors.same_everywhere(metas, "write_rows' datasets (global shape, dtype, axis)")
-    attrs = c.bcast_obj(dict(attrs or {})) if c.size > 1 else dict(attrs or {})
-
-    def segs_of(rows: Rows) -> list:
-        return all_segments(rows.length, c.size, layout if rows.layout is None else rows.layout)[c.rank]
-
-    def write(tmp: str) -> None:
-        if parallel_hdf5():
-            _write_parallel(c, tmp, metas[0], datasets, segs_of, attrs, path)
-        else:
-            _write_serial(c, tmp, metas[0], datasets, segs_of, attrs)
-
-    write_atomically(c, path, write, force=force, nbytes=data_bytes(metas[0]), outputs=outputs)
+    target = rows_target(path, datasets, c, layout=layout, attrs=attrs,
+                         rule=REPLACE if force else NEW)
+    publish(c, [target], outputs=outputs)
 
 
 def data_bytes(meta: Mapping[str, tuple]) -> int:

@@ -17,6 +17,7 @@ default profile of the arrays' device.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -44,6 +45,10 @@ class Link:
 
     latency_s: float
     bandwidth: float
+
+    def __post_init__(self) -> None:
+        _check("latency_s", self.latency_s, low=0.0)
+        _check("bandwidth", self.bandwidth, low=0.0, above=True)
 
     def time(self, nbytes: float, messages: float = 1) -> float:
         return messages * self.latency_s + nbytes / self.bandwidth
@@ -83,6 +88,16 @@ class Machine:
     memory_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        if not self.rates:
+            raise ValueError("rates: no compute rate (FLOP/s per dtype)")
+        for key, value in self.rates.items():
+            _check(f"rates.{key}", value, low=0.0, above=True)
+        _check("backward_ratio", self.backward_ratio, low=0.0, above=True)
+        _check("overlap", self.overlap, low=0.0, high=1.0)
+        _check("memory", self.memory, low=0.0)
+        _check("memory_bandwidth", self.memory_bandwidth, low=0.0)
+
     def fits(self, nbytes: float) -> bool:
         """Whether ``nbytes`` per rank fit (always, when the memory is unknown)."""
         return self.memory <= 0 or nbytes <= self.memory
@@ -101,13 +116,13 @@ class Machine:
     @classmethod
     def from_dict(cls, d: dict) -> "Machine":
         try:
-            return cls(name=str(d["name"]), inside=Link(**d["inside"]), between=Link(**d["between"]),
+            return cls(name=str(d["name"]), inside=_link("inside", d), between=_link("between", d),
                        rates={str(k): float(v) for k, v in d["rates"].items()},
                        backward_ratio=float(d.get("backward_ratio", 0.8)),
                        overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
                        memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
                        sources=dict(d.get("sources", {})))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a machine description: {exc}") from None
 
     def save(self, path: str) -> None:
@@ -116,6 +131,24 @@ class Machine:
 
     def with_rates(self, **rates: float) -> "Machine":
         return replace(self, rates={**self.rates, **rates})
+
+
+def _link(name: str, d: dict) -> Link:
+    try:
+        return Link(**d[name])
+    except ValueError as exc:
+        raise ValueError(f"{name}.{exc}") from None
+
+
+def _check(name: str, value: Any, low: float, above: bool = False, high: float = math.inf) -> None:
+    """Raise ValueError unless ``value`` is a finite real number in range (``above``: > ``low``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (above and value == low) or value > high:
+        bound = f"> {low:g}" if above else f">= {low:g}"
+        if high < math.inf:
+            bound += f" and <= {high:g}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
 _ENV = "shared/environment.md (measured on this project's 2-core machines, 2026-11-30/12-01)"

@@ -29,7 +29,7 @@ from ..masks import MaskSpec, QuerySide, diagonal
 from ..masks.ids import global_rows, local_ids
 from . import machines, registry
 from .base import Strategy
-from .spec import AttentionSpec, Options
+from .spec import SKIP_FINITE, AttentionSpec, Options
 
 __all__ = ["Problem", "validate", "FUSED_VARIABLE"]
 
@@ -144,7 +144,7 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
     if options.check_finite:
         for name, x in (("q", q), ("k", k), ("v", v), *[(nm, x) for nm, x in extra.items() if nm != "lse"]):
             if x.size and not bool(xp.isfinite(x).all()):
-                raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+                raise ValueError(f"{name} contains NaN or Inf ({SKIP_FINITE})")
     B, H, n, E = q.shape
     Hkv, m, Ev = k.shape[1], k.shape[2], v.shape[3]
     if kv_segment_ids is not None and segment_ids is None:
@@ -205,12 +205,10 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
     and gathers the document ids (collective points every rank reaches).
     """
     ids: dict = {}
-    got = c.allgather_checked(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
-                                             kv_segment_ids, ids))
+    got = c.agree(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
+                                 kv_segment_ids, ids),
+                  call="attention_backward" if "dout" in extra else "attention")
     with errors.alike():  # from here on every rank decides on the same gathered data
-        for name in got[0]:
-            if not name.startswith("_"):
-                errors.same_everywhere([g[name] for g in got], name)
         here: AttentionSpec = got[0]["_spec"]
         options = here.options
         N, M = sum(g["_n"] for g in got), sum(g["_m"] for g in got)

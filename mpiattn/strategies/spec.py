@@ -27,7 +27,10 @@ from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
 from ..masks import MaskSpec, check_causal, check_window, diagonal
 
-__all__ = ["Options", "AttentionSpec"]
+__all__ = ["Options", "AttentionSpec", "SKIP_FINITE"]
+
+#: How an error about NaN or Inf values tells the way around its check (:attr:`Options.check_finite`).
+SKIP_FINITE = "check_finite=False, --allow-nonfinite on the command line, skips this check"
 
 
 @dataclass(frozen=True)

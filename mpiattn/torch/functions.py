@@ -25,7 +25,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import products
-from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
@@ -34,9 +33,10 @@ from .tensors import check_extra, check_operands, facts, on_device, to_array, to
 __all__ = ["attention", "matmul_nt", "matmul_nn", "matmul_tn"]
 
 
-def _agree(c: Comm, operands: dict[str, Any], extra: dict[str, Any] | None = None,
+def _agree(c: Comm, call: str, operands: dict[str, Any], extra: dict[str, Any] | None = None,
            flags: dict | None = None) -> dict:
-    """Check the tensors on every rank (one allgather); returns the extra arguments as arrays.
+    """Check the tensors on every rank (one allgather, the call ``call``); returns the extra
+    arguments as arrays.
 
     ``flags`` are further facts every rank must share (e.g. ``return_lse``).
     """
@@ -47,10 +47,7 @@ def _agree(c: Comm, operands: dict[str, Any], extra: dict[str, Any] | None = Non
         got.update(check_extra(extra or {}, next(iter(operands.values())).device))
         return {**facts(operands), **(flags or {})}
 
-    gathered = c.allgather_checked(local)
-    with errors.alike():
-        for name in gathered[0]:
-            errors.same_everywhere([g[name] for g in gathered], name)
+    c.agree(local, call=f"mpiattn.torch.{call}")
     return got
 
 
@@ -81,8 +78,13 @@ class _Attention(torch.autograd.Function):
         return out_t, lse_t
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+        _first_order_only("attention")
+        return _Attention._backward(ctx, dout, dlse)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         call: _Call = ctx.call
         # dense, in q's dtype (e.g. the expanded ones of a sum()); None: the output was unused
@@ -96,6 +98,15 @@ class _Attention(torch.autograd.Function):
                                           progress=call.progress, **call.keywords)
             dq, dk, dv = (to_tensor(g) for g in grads)
         return dq, dk, dv[..., :Ev], None
+
+
+def _first_order_only(what: str) -> None:
+    """Refuse a backward that builds a graph (``create_graph=True``): its gradients would come
+    back detached, and a second-order loss would get silently wrong gradients."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"mpiattn.torch.{what}: second-order gradients (backward or "
+                           "torch.autograd.grad with create_graph=True) are not supported; its "
+                           "backward is the library's hand-derived first-order one")
 
 
 def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
@@ -184,7 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     torch.Size([1, 2, 5, 4])
     """
     c = get_comm(comm)
-    ids = _agree(c, {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
+    ids = _agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
                                                  "segment_ids": segment_ids,
                                                  "kv_segment_ids": kv_segment_ids},
                  {"return_lse": bool(return_lse)})
@@ -196,8 +207,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
 
 
 # ------------------------------------------------------------------ the products
-def _product(forward: Callable, backward: Callable) -> type:
+def _product(forward: Callable, backward: Callable, name: str) -> type:
     class _Product(torch.autograd.Function):
+        call = name
         @staticmethod
         def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, call: _Call) -> torch.Tensor:
             with on_device(a.device):
@@ -207,8 +219,13 @@ def _product(forward: Callable, backward: Callable) -> type:
             return out
 
         @staticmethod
-        @once_differentiable
         def backward(ctx: Any, dc: torch.Tensor) -> tuple:
+            _first_order_only(name)
+            return _Product._backward(ctx, dc)
+
+        @staticmethod
+        @once_differentiable
+        def _backward(ctx: Any, dc: torch.Tensor) -> tuple:
             a, b = ctx.saved_tensors
             dc = dc.to(a.dtype).contiguous()
             with on_device(a.device):
@@ -219,15 +236,15 @@ def _product(forward: Callable, backward: Callable) -> type:
     return _Product
 
 
-_NT = _product(products.matmul_nt, products.matmul_nt_backward)
-_NN = _product(products.matmul_nn, products.matmul_nn_backward)
-_TN = _product(products.matmul_tn, products.matmul_tn_backward)
+_NT = _product(products.matmul_nt, products.matmul_nt_backward, "matmul_nt")
+_NN = _product(products.matmul_nn, products.matmul_nn_backward, "matmul_nn")
+_TN = _product(products.matmul_tn, products.matmul_tn_backward, "matmul_tn")
 
 
 def _run(fn: type, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
          block_size: int | None) -> torch.Tensor:
     c = get_comm(comm)
-    _agree(c, {"a": a, "b": b})
+    _agree(c, fn.call, {"a": a, "b": b})
     return fn.apply(a, b, _Call(c, {"layout": layout, "block_size": block_size}))
 
 

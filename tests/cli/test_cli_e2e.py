@@ -92,7 +92,7 @@ def test_an_agreed_error_exits_1_every_time(serial_only, tmp_path):
 
 def test_open_hdf5_files_are_told_from_h5pys_own_objects(tmp_path):
     """What decides an ``os._exit``: files and what lives in them, not h5py's open datatypes."""
-    from mpiattn.cli.main import _hdf5_holds_files
+    from mpiattn.cli.dispatch import _hdf5_holds_files
 
     assert h5py.h5f.get_obj_count() > 0  # (h5py's own datatypes: why the plain count is wrong)
     assert not _hdf5_holds_files(h5py)

@@ -74,3 +74,27 @@ def test_disk_filling_up_while_writing_ends_cleanly(small_disk, tmp_path):
     assert len(lines) == 1 and "disk filled up while writing" in lines[0], err
     assert "BAD TERMINATION" not in out
     assert os.listdir(small_disk) == []
+
+
+def test_a_full_disk_holding_the_job_log_too_still_ends_cleanly(small_disk, tmp_path):
+    """Issue 26 item 11: prefill's cache fills the disk that also holds the job's log. The
+    temporary is removed before anything is printed, so the one message reaches the log (no h5py
+    release reports first), the exit code is 1 (not Hydra's 255), and nothing is left behind."""
+    script = tmp_path / "no_check.py"
+    script.write_text(NO_CHECK)
+    code, _, _ = _launch(tmp_path, "make-data", tmp_path / "in.h5", "--seq", "30000", "--heads",
+                         "4", "--dim", "32", "-q")
+    assert code == 0
+    (small_disk / "fill").write_bytes(b"\0" * (1 << 20))
+    log = small_disk / "log"
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1")
+    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
+    with open(log, "w") as f:
+        code = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), "prefill",
+                               str(tmp_path / "in.h5"), "-o", str(small_disk / "cache.h5"), "-q"],
+                              stdout=f, stderr=subprocess.STDOUT, env=env, timeout=180).returncode
+    text = log.read_text()
+    assert code == 1, text
+    assert text.count("mpiattn") == 1 and "disk filled up while writing" in text, text
+    assert "Exception ignored" not in text and "Traceback" not in text
+    assert sorted(os.listdir(small_disk)) == ["fill", "log"]

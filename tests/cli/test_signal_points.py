@@ -1,4 +1,4 @@
-"""A signal at every step of ``run`` and ``make-data``: the handler never races the main thread.
+"""A signal at every step of ``run``, ``make-data``, ``prefill`` and ``decode --append``.
 
 Each case launches the real program (``python -m mpiattn`` through a small
 script, under ``mpiexec`` or alone) with one function wrapped so that, on
@@ -10,11 +10,19 @@ vote is handled before the vote). Before the commit point (every rank voted to
 publish) the signal must end every rank with ``128 + N``, one message,
 nothing left behind and the earlier output byte-identical; from the commit
 point on it is too late to matter: exit 0, the new output, one line saying
-so. Serial session only (the tests start their own MPI jobs).
+so. ``decode --append`` publishes its output and the grown cache at one
+commit point: both files change, or neither.
+
+The interleavings (issue 31): the signal reaches every rank, and one rank's
+handler is held back, less or more than the time another rank waits for
+rank 0's answer (``DEFER_S``, made 2 s here): whichever rank speaks, exactly
+one message appears, and it tells what became of the files. Serial session
+only (the tests start their own MPI jobs).
 """
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,9 +38,19 @@ JOB = textwrap.dedent("""
     import importlib, os, signal, sys, time
     from mpi4py import MPI
 
-    command, where, when, who, whom, sig = sys.argv[1:7]
+    command, where, when, who, whom, sig, delay = sys.argv[1:8]
     who, sig = int(who), int(sig)
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if delay != "-":  # "rank:seconds": that rank's handler starts late
+        from mpiattn.cli import signals
+        signals.DEFER_S = 2.0
+        late_rank, seconds = (float(x) for x in delay.split(":"))
+        handle = signals.Guard.on_signal
+        def held_back(self, signum):
+            if rank == late_rank:
+                time.sleep(seconds)
+            handle(self, signum)
+        signals.Guard.on_signal = held_back
     with open(f"pid.{rank}", "w") as f:
         f.write(str(os.getpid()))
 
@@ -54,19 +72,25 @@ JOB = textwrap.dedent("""
         if mine and when == "before":
             fired.append(1)
             fire()
-            if where.endswith("commit"):  # the signal is handled before this rank's vote
+            if where.endswith("vote"):  # the signal is handled before this rank's vote
                 while a[0].stopped is None:
                     time.sleep(0.001)
         result = real(*a, **kw)
         if mine and when == "after":
             fired.append(1)
             fire()
+            if where.endswith("vote"):  # handled before the votes are counted: not yet committed
+                while a[0].stopped is None:
+                    time.sleep(0.001)
         return result
     setattr(owner, attr, wrapped)
 
     args = {"run": ["run", "in.h5", "-o", "out.h5", "--force", "-q", "--engine", "native"],
             "make-data": ["make-data", "out.h5", "--seq", "700", "--heads", "2", "--dim", "8",
-                          "--with-dout", "--seed", "9", "--force", "-q"]}[command]
+                          "--with-dout", "--seed", "9", "--force", "-q"],
+            "prefill": ["prefill", "in.h5", "-o", "out.h5", "--force", "-q"],
+            "decode": ["decode", "cache.h5", "--queries", "new.h5", "-o", "out.h5", "--append",
+                       "--force", "-q"]}[command]
     from mpiattn import cli
     sys.argv = ["mpiattn", *args]
     sys.exit(cli.main())
@@ -81,8 +105,8 @@ CASES = [  # (command, ranks, where, when, who, whom, signal, too late)
     ("run", 2, R + "adopt", "after", -1, "all", signal.SIGINT, False),
     ("run", 2, "mpiattn.io.writing._create", "before", 0, "self", signal.SIGTERM, False),
     ("run", 2, "mpiattn.io.writing._write_slabs", "after", -1, "self", signal.SIGTERM, False),
-    ("run", 2, R + "commit", "before", -1, "self", signal.SIGINT, False),
-    ("run", 2, R + "commit", "before", 0, "all", signal.SIGTERM, False),
+    ("run", 2, R + "vote", "before", -1, "self", signal.SIGINT, False),
+    ("run", 2, R + "vote", "before", 0, "all", signal.SIGTERM, False),
     ("run", 2, R + "publish", "before", 0, "all", signal.SIGTERM, True),
     ("run", 2, R + "publish", "after", 0, "self", signal.SIGINT, True),
     ("run", 2, "mpiattn.cli.commands.run_file", "after", 0, "self", signal.SIGTERM, True),
@@ -91,8 +115,28 @@ CASES = [  # (command, ranks, where, when, who, whom, signal, too late)
     ("run", 0, R + "publish", "before", 0, "self", signal.SIGTERM, True),
     ("make-data", 2, R + "reserve", "after", 0, "all", signal.SIGTERM, False),
     ("make-data", 2, "mpiattn.io.writing._write_slabs", "after", 0, "self", signal.SIGINT, False),
-    ("make-data", 2, R + "commit", "before", 0, "self", signal.SIGTERM, False),
+    ("make-data", 2, R + "vote", "before", 0, "self", signal.SIGTERM, False),
     ("make-data", 2, R + "publish", "before", 0, "all", signal.SIGINT, True),
+    ("prefill", 2, "mpiattn.io.reading._read_segments", "before", -1, "all", signal.SIGTERM, False),
+    ("prefill", 2, R + "adopt", "after", -1, "self", signal.SIGINT, False),
+    ("prefill", 2, "mpiattn.io.writing._write_slabs", "after", 0, "self", signal.SIGTERM, False),
+    ("prefill", 2, R + "vote", "before", -1, "all", signal.SIGTERM, False),
+    ("prefill", 2, R + "publish", "before", 0, "self", signal.SIGINT, True),
+    ("prefill", 0, R + "vote", "after", 0, "self", signal.SIGTERM, False),
+    ("decode", 2, "mpiattn.io.kvstore.read_cache_rows", "after", -1, "all", signal.SIGINT, False),
+    ("decode", 2, "mpiattn.inference:KVCache.attend", "before", 0, "self", signal.SIGTERM, False),
+    ("decode", 2, R + "reserve", "after", 0, "all", signal.SIGTERM, False),
+    ("decode", 2, R + "adopt", "after", -1, "all", signal.SIGINT, False),
+    ("decode", 2, "mpiattn.io.writing._write_slabs", "after", -1, "self", signal.SIGTERM, False),
+    ("decode", 2, R + "vote", "before", 0, "all", signal.SIGINT, False),
+    ("decode", 2, R + "vote", "after", 0, "self", signal.SIGTERM, False),
+    ("decode", 2, R + "vote", "after", -1, "all", signal.SIGTERM, False),
+    ("decode", 2, R + "decided", "after", 0, "all", signal.SIGINT, True),
+    ("decode", 2, R + "publish", "before", 0, "all", signal.SIGTERM, True),
+    ("decode", 2, R + "settle", "after", -1, "self", signal.SIGINT, True),
+    ("decode", 2, R + "settle", "after", 0, "all", signal.SIGTERM, True),
+    ("decode", 0, R + "vote", "after", 0, "self", signal.SIGINT, False),
+    ("decode", 0, R + "publish", "before", 0, "self", signal.SIGTERM, True),
 ]
 
 
@@ -110,42 +154,96 @@ def _digest(path):
 
 @pytest.fixture
 def job_dir(serial_only, tmp_path, monkeypatch, capsys):
-    """A directory with in.h5, an earlier out.h5 (forward only) and the job script."""
+    """A directory with in.h5, an earlier out.h5 (forward only), a cache (cache.h5, mode 640),
+    the new token of a decode step (new.h5) and the job script."""
     monkeypatch.chdir(tmp_path)
     assert cli.main(["make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8",
                      "--with-dout", "-q"]) == 0
     assert cli.main(["run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
                      "--no-backward"]) == 0
+    assert cli.main(["prefill", "in.h5", "-o", "cache.h5", "-q", "--page", "64"]) == 0
+    os.chmod(tmp_path / "cache.h5", 0o640)
+    assert cli.main(["make-data", "new.h5", "--seq", "1", "--heads", "2", "--dim", "8", "--seed",
+                     "3", "-q"]) == 0
     capsys.readouterr()
     (tmp_path / "job.py").write_text(JOB)
     return tmp_path
+
+
+def _launch(job_dir, command, ranks, where, when, who, whom, sig, delay="-"):
+    cmd = [sys.executable, "job.py", command, where, when,
+           str(who if who >= 0 else max(ranks, 1) - 1), whom, str(int(sig)), delay]
+    if ranks:
+        cmd = [mpiexec(), "-n", str(ranks), *cmd]
+    p = subprocess.Popen(cmd, cwd=job_dir, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return finish_group(p, LIMIT_S, "the job did not end after the signal")
+
+
+def _check_outcome(job_dir, command, sig, late, before, code, out, err):
+    """One message, nothing left behind, and the files as the message says."""
+    said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn:")]
+    left = sorted(n for n in os.listdir(job_dir) if ".mpiattn-" in n)
+    assert left == [], (left, out, err)
+    assert len(said) == 1 and sig.name in said[0], (code, out, err)
+    now = {name: _digest(job_dir / name) for name in before}
+    grows = command == "decode"
+    if late:  # the commit point had passed: the new output is published, and the run says so
+        assert code == 0, (code, out, err)
+        assert ("too late to matter" if late is True else "after the run had finished") in said[0]
+        assert now["out.h5"] != before["out.h5"]
+        assert command != "run" or "dq" in cli_datasets(job_dir / "out.h5")
+        assert (now["cache.h5"] != before["cache.h5"]) == grows  # both files, or neither
+        if grows:
+            assert cache_length(job_dir / "cache.h5") == 601
+            assert oct(os.stat(job_dir / "cache.h5").st_mode & 0o777) == oct(0o640)
+    else:
+        assert code == 128 + sig, (code, out, err)
+        assert "existing outputs untouched" in said[0], said
+        assert now == before
+        for name in re.findall(r"removed ([^;]*);", said[0])[:1]:
+            for tmp in name.split(", "):
+                assert ".mpiattn-" in tmp and not (job_dir / tmp).exists()
 
 
 @pytest.mark.parametrize("command,ranks,where,when,who,whom,sig,late", CASES,
                          ids=[f"{c[0]}-{c[1]}ranks-{c[2].rpartition('.')[2]}-{c[3]}-r{c[4]}-"
                               f"{c[5]}-{c[6].name}" for c in CASES])
 def test_a_signal_at_each_step(job_dir, command, ranks, where, when, who, whom, sig, late):
-    before = _digest(job_dir / "out.h5")
-    cmd = [sys.executable, "job.py", command, where, when,
-           str(who if who >= 0 else max(ranks, 1) - 1), whom, str(int(sig))]
-    if ranks:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    p = subprocess.Popen(cmd, cwd=job_dir, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    code, out, err = finish_group(p, LIMIT_S, "the job did not end after the signal")
-    said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn:")]
-    left = sorted(n for n in os.listdir(job_dir) if ".mpiattn-" in n)
-    assert left == [], (left, out, err)
-    assert len(said) == 1 and sig.name in said[0], (code, out, err)
-    if late:  # the commit point had passed: the new output is published, and the run says so
-        assert code == 0, (code, out, err)
-        assert ("too late to matter" if late is True else "after the run had finished") in said[0]
-        assert _digest(job_dir / "out.h5") != before
-        assert command != "run" or "dq" in cli_datasets(job_dir / "out.h5")
-    else:
-        assert code == 128 + sig, (code, out, err)
-        assert "existing outputs untouched" in said[0], said
-        assert _digest(job_dir / "out.h5") == before
+    before = {name: _digest(job_dir / name) for name in ("out.h5", "cache.h5")}
+    code, out, err = _launch(job_dir, command, ranks, where, when, who, whom, sig)
+    _check_outcome(job_dir, command, sig, late, before, code, out, err)
+
+
+# (command, where, when, who fires, the rank whose handler is held back, seconds, signal, too
+# late): DEFER_S is 2 s in the job: 1 s lets rank 0 answer late but in time, 3 s makes the other
+# rank give up waiting and speak alone. Adopt runs on rank 1 only, publish on rank 0 only.
+HELD = [(cmd, where, when, who, held, seconds, sig, late)
+        for cmd in ("run", "decode")
+        for where, when, who, late in ((R + "adopt", "after", 1, False),
+                                       (R + "vote", "after", 0, False),
+                                       (R + "vote", "before", 1, False),
+                                       (R + "publish", "before", 0, True))
+        for held, seconds in ((0, 3.0), (1, 1.0), (0, 1.0))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if (cmd == "run" or held == 0)]
+
+
+@pytest.mark.parametrize("command,where,when,who,held,seconds,sig,late", HELD,
+                         ids=[f"{c[0]}-{c[1].rpartition('.')[2]}-{c[2]}-r{c[3]}-rank{c[4]}-held-"
+                              f"{c[5]:g}s-{c[6].name}" for c in HELD])
+def test_one_message_whichever_handler_runs_first(job_dir, command, where, when, who, held,
+                                                  seconds, sig, late):
+    """Issue 31: a signal to every rank at once, one rank's handler held back."""
+    before = {name: _digest(job_dir / name) for name in ("out.h5", "cache.h5")}
+    code, out, err = _launch(job_dir, command, 2, where, when, who, "all", sig, f"{held}:{seconds}")
+    _check_outcome(job_dir, command, sig, late, before, code, out, err)
+
+
+def cache_length(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return int(f.attrs["length"])
 
 
 def cli_datasets(path):

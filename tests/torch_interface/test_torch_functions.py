@@ -201,3 +201,39 @@ def test_ranks_that_disagree_on_requires_grad(comm):
     q = torch.randn(1, 2, 4, 8, requires_grad=comm.rank == 0)
     _raises_everywhere(comm, lambda: mt.attention(q, q, q), ValueError,
                        r"ranks disagree on requires_grad \(q, k, v\)")
+
+
+def test_second_order_gradients_are_refused_clearly(comm):
+    """Issue 26 item 3: with create_graph=True the backward would return detached gradients, and a
+    second-order loss silently wrong ones: every rank raises one clear error instead."""
+    Q, K = _global(5, (1, 2, 6, 3), (1, 2, 6, 3))
+    q, k = mt.shard(Q, dim=2), mt.shard(K, dim=2)
+    out = mt.attention(q, k, k, causal=True)
+    with pytest.raises(RuntimeError, match="second-order gradients .* are not supported"):
+        torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    a = mt.shard(_global(6, (6, 3))[0], dim=0)
+    c = mt.matmul_nt(a, a)
+    with pytest.raises(RuntimeError, match="mpiattn.torch.matmul_nt: second-order gradients"):
+        torch.autograd.grad(c.sum(), a, create_graph=True)
+    out = mt.attention(q, k, k, causal=True)  # every rank in step: a first-order backward works
+    out.pow(2).sum().backward()
+    assert Q.grad is not None and K.grad is not None
+
+
+def test_a_rank_in_another_call_gets_one_clear_error(comm):
+    """Issue 26 item 13: one rank backpropagates while another starts a new forward: both get
+    "ranks are in different collective calls" (not an internal KeyError), then work again."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    Q, = _global(7, (1, 2, 6, 3))
+    q = mt.shard(Q, dim=2)
+    out = mt.attention(q, q, q)
+    with pytest.raises(RuntimeError, match="ranks are in different collective calls: rank 0 is in "
+                                           "attention_backward"):
+        if comm.rank == 0:
+            out.sum().backward()
+        else:
+            mt.attention(q.detach(), q.detach(), q.detach())
+    out = mt.attention(q, q, q)
+    out.sum().backward()
+    assert Q.grad is not None

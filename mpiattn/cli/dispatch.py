@@ -43,27 +43,33 @@ from .plan import cmd_plan
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
 from .quiet import QuietReleases
+from .startup import init_mpi
 from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
 _WORKING = ("example", "run", "make-data", "info", "calibrate", "prefill", "decode")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, watcher: Any = None) -> int:
     """Run the command line; returns the exit code (0, 1 or 2) on every rank.
 
     Parameters
     ----------
     argv : list of str, optional
         The arguments. None (the program, ``python -m mpiattn``): ``sys.argv``;
-        MPI is initialised first, then the signal handlers are installed for
-        the rest of the process (:mod:`mpiattn.cli.signals`), and the process
-        ends with ``os._exit`` after an error that left an HDF5 file open
-        (see :func:`_leave`).
+        MPI is initialised first (:func:`mpiattn.cli.startup.init_mpi`), then
+        the signals are handed to the run's guard for the rest of the process
+        (:mod:`mpiattn.cli.signals`), and the process ends with ``os._exit``
+        after an error that left an HDF5 file open (see :func:`_leave`).
+    watcher : mpiattn.cli.startup.Watcher, optional
+        The program's signal watcher, installed before the imports
+        (:func:`mpiattn.cli.startup.program`); made here when None.
     """
     program = argv is None
-    rank = world_rank()  # MPI_Init: until it returns, a signal ends the process at once
-    guard = signals.install() if program else None
+    if program:
+        init_mpi()  # until it returns, a signal ends the process at once
+    rank = world_rank()
+    guard = signals.install(watcher) if program else None
     con = Console(rank, guard=guard)
     args = _parse(sys.argv[1:] if program else list(argv), con)
     if isinstance(args, int):
@@ -127,7 +133,7 @@ def _main(args: Any, con: Console) -> int:
         return 2
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
         if isinstance(exc, Agreed):  # raised alike on every rank: every rank returns 1
-            con.error(str(exc) or type(exc).__name__)
+            con.error(str(exc) or type(exc).__name__, isinstance(exc, (OSError, MemoryError)))
             return 1
         return _unexpected(exc, con)
     finally:
