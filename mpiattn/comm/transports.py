@@ -119,28 +119,6 @@ class _MpiRequest(_Request):
             self.keep = None
 
 
-class _EventRequest(_Request):
-    """Work queued on a stream, finished when its recorded event is."""
-
-    __slots__ = ("event", "keep")
-
-    def __init__(self, event: Any, keep: Any):
-        self.event, self.keep = event, keep
-
-    def Test(self) -> bool:  # noqa: N802
-        if self.keep is None:
-            return True
-        if self.event.done:
-            self.keep = None
-            return True
-        return False
-
-    def Wait(self) -> None:  # noqa: N802
-        if self.keep is not None:
-            self.event.synchronize()
-            self.keep = None
-
-
 def _check_contiguous(arr: Any) -> None:
     if not arr.flags.c_contiguous:
         raise ValueError("device buffers must be C-contiguous to be communicated")
