@@ -205,10 +205,10 @@ else
 fi
 for tile in 512 4096; do
     ((DRY == 1)) && tile=$((tile / 32))
-    section "performance, tile $tile, generic" 35 env MPIATTN_FUSED_KERNELS=0 "$PY" -m mpiattn.bench.gpu \
+    section "performance, tile $tile, generic" 35 "$PY" -m mpiattn.bench.gpu \
         --out "$OUTDIR" --budget-s 28 --block "$tile" --engines native,torch "${BENCH_ARGS[@]}"
-    section "performance, tile $tile, fused" 30 env MPIATTN_FUSED_KERNELS=1 "$PY" -m mpiattn.bench.gpu \
-        --out "$OUTDIR" --budget-s 24 --block "$tile" --engines native --no-torch "${BENCH_ARGS[@]}"
+    section "performance, tile $tile, fused" 30 "$PY" -m mpiattn.bench.gpu \
+        --out "$OUTDIR" --budget-s 24 --block "$tile" --engines fused --no-torch "${BENCH_ARGS[@]}"
 done
 json_section hostdev 15 "$PY" jobs/gpu_check.py hostdev "${SMALL[@]}"
 json_section pools 15 "$PY" jobs/gpu_check.py pools "${SMALL[@]}"

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import backend
 from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
-from .masks.spec import check_causal, check_window, diagonal
+from .masks.spec import MaskSpec, check_causal, diagonal
 
 __all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens",
            "TARGET", "MIN_CHUNK", "MAX_CHUNKS_PER_RANK", "ROW_SLACK"]
@@ -139,20 +139,12 @@ def row_work(n: int, *, causal: bool | str = False, window: Any = None, segment_
 
 def _band(n: int, causal: Any, window: Any, m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For every query row ``i``: the keys ``jlo[i]..jhi[i]`` (of ``m``, default ``n``) that
-    causal (aligned top-left or bottom-right) and the window allow."""
+    causal (aligned top-left or bottom-right) and the window allow (:meth:`MaskSpec.key_ranges`)."""
     m = n if m is None else operator.index(m)
     if m < 0:
         raise ValueError(f"m must be >= 0 key rows, got {m}")
     causal = check_causal(causal)
-    w = check_window(window)
-    left, right = w if w is not None else (None, None)
-    lo = -(n + m) if left is None else -left
-    hi = n + m if right is None else right
-    if causal:
-        hi = min(hi, 0)
-    d = diagonal(causal, n, m)
-    i = np.arange(n, dtype=np.int64) + d
-    return np.maximum(i + lo, 0), np.minimum(i + hi, m - 1)
+    return MaskSpec(bool(causal), window, diagonal=diagonal(causal, n, m)).key_ranges(n, m)
 
 
 def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int, nkb: int | None = None) -> np.ndarray:

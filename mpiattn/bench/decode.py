@@ -40,10 +40,12 @@ import numpy as np
 
 from ..comm.core import get_comm
 from ..inference import KVCache
-from ..inference.local import Rules, partial_attention
+from ..inference.decode import step_spec
+from ..inference.local import partial_attention, step_attend
 from ..inference.merge import tree_merge
-from ..kernels import DEFAULT_TILE, engines
+from ..kernels import engines
 from ..layouts import all_segments
+from ..strategies.spec import Options
 from ..timing import Timer
 from .environment import environment
 
@@ -72,9 +74,10 @@ def measure(c: Any, *, cache: int, heads: int, kv_heads: int, dim: int, dtype: s
             kv.attend(q)
         if i:  # the first step warms up
             steps.append(timer.times["step"])
-        o, lse, _ = partial_attention(engines.get("native"), q,
-                                      np.arange(kv.length - tokens, kv.length), kv.shard.views(),
-                                      kv_heads, dim, Rules(True, None, dim ** -0.5), tile=DEFAULT_TILE)
+        spec = step_spec(kv.shard, kv.length, q, Options(causal=True))
+        attend = step_attend(engines.get("native"), spec, np.arange(kv.length - tokens, kv.length),
+                             True)
+        o, lse, _ = partial_attention(attend, q, kv.shard.views())
         with timer.phase("merge"):
             tree_merge(c, o, lse)
         if i:

@@ -19,7 +19,7 @@ from ..comm.node import usable_cores
 __all__ = ["environment", "available_memory", "cpu_ticks", "wait_idle"]
 
 _VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-         "MPIR_CVAR_ENABLE_HEAVY_YIELD", "MPIATTN_GPU_TRANSPORT", "MPIATTN_FUSED_KERNELS", "CUPY_TF32")
+         "MPIR_CVAR_ENABLE_HEAVY_YIELD", "MPIATTN_GPU_TRANSPORT", "CUPY_TF32")
 
 
 def available_memory() -> int:

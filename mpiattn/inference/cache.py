@@ -17,7 +17,6 @@ agreed call; each rank holds its own rows (:class:`~mpiattn.inference.shard.Shar
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -35,10 +34,8 @@ from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
 from ..strategies import machines
-from ..strategies.problem import FUSED_VARIABLE
 from ..strategies.spec import SKIP_FINITE, Options
 from .decode import checksum, decode, step_spec
-from .local import Rules
 from .placement import PAGE_ROWS, POLICY, Placement, check_page
 from .prefill import VARIANTS, choose, pass_kv, pass_q, runs_of
 from .shard import Shard
@@ -397,12 +394,9 @@ class KVCache:
                 raise ValueError(f"prefill: q {q.shape}, k {k.shape}, v {v.shape}: heads must be a "
                                  f"multiple of {s.Hkv} and the rows the same")
             name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
-            fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
-            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
-                             1.0 / math.sqrt(s.E) if o.scale is None else o.scale, fused)
+            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True))
             return {"q's heads": int(q.shape[1]), **o.by_field(), "variant": variant,
-                    "machine": name, f"the environment's {FUSED_VARIABLE}": fused,
-                    "_n": int(q.shape[2]), "_spec": spec,
+                    "machine": name, "_n": int(q.shape[2]), "_spec": spec,
                     "_engine": engines.local_choice(engine, spec)}
 
         got = c.agree(local)
@@ -424,11 +418,9 @@ class KVCache:
             out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options)
         else:
             prepare(c, q, k, v)
-            spec = got[0]["_spec"]
-            rules = Rules(True, spec.mask.window, spec.scale)
             with c.abort_on_error():
                 out, lse = pass_q(c, s, self.length, q, k, v, chunk_pos, counts,
-                                  engines.get(got[0]["_engine"][0]), rules, check_finite, spec.fused)
+                                  engines.get(got[0]["_engine"][0]), got[0]["_spec"], check_finite)
         if details is not None:
             details.update({"variant": chosen, "reason": reason})
         if append:

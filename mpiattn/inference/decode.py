@@ -22,7 +22,6 @@ pairs), words read ``M / P x B Hkv (E + Ev)`` (memory bound for small
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from typing import Any
 
@@ -32,12 +31,10 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
-from ..kernels import DEFAULT_TILE, engines
-from ..masks import MaskSpec
+from ..kernels import engines
 from ..strategies.machines import Machine
-from ..strategies.problem import FUSED_VARIABLE
 from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
-from .local import Rules, partial_attention
+from .local import partial_attention, step_attend
 from .merge import tree_merge
 from .shard import Shard
 
@@ -59,15 +56,15 @@ class Step:
         return {"engine": self.engine, "blocks": self.blocks, "merge_words": self.merge_words}
 
 
-def step_spec(shard: Shard, length: int, q: Any, options: Options, scale: float,
-              fused: bool) -> AttentionSpec:
+def step_spec(shard: Shard, length: int, q: Any, options: Options) -> AttentionSpec:
     """The call of queries ``q (B, H, t, E)`` against the ``length`` rows of ``shard``'s cache as an
-    :class:`AttentionSpec`, bottom-right aligned (what engines' declared capabilities are read on)."""
+    :class:`AttentionSpec` (:meth:`~AttentionSpec.from_shapes`), bottom-right aligned when causal
+    (what engines' declared capabilities are read on)."""
     B, H, t, E = q.shape
-    mask = MaskSpec(bool(options.causal), options.window, diagonal=length - t)
-    return AttentionSpec(B, H, shard.Hkv, E, shard.Ev, t, length, np.dtype(q.dtype),
-                         backend.array_module(q).__name__, scale, mask, "contiguous",
-                         "contiguous", options, fused)
+    o = Options.of(options, causal="bottom-right" if options.causal else False, layout="contiguous",
+                   kv_layout="contiguous")
+    return AttentionSpec.from_shapes(q.shape, (B, shard.Hkv, length, E), (B, shard.Hkv, length, shard.Ev),
+                                     q.dtype, o, device=backend.array_module(q).__name__)
 
 
 def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
@@ -95,12 +92,9 @@ def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
         raise ValueError("q holds no new token (t = 0)")
     if options.check_finite and not bool(xp.isfinite(q).all()):
         raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
-    scale = 1.0 / math.sqrt(E) if options.scale is None else options.scale
-    fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
-    spec = step_spec(shard, length, q, options, scale, fused)
+    spec = step_spec(shard, length, q, options)
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
             "q's values (CRC-32)": checksum(q), **options.by_field(),
-            f"the environment's {FUSED_VARIABLE}": fused,
             "_spec": spec, "_engine": engines.local_choice(options.engine, spec)}
 
 
@@ -144,12 +138,9 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     engine = engines.get(got[0]["_engine"][0])
     prepare(c, q)
     t = spec.N
-    rules = Rules(True if spec.mask.causal else False, spec.mask.window, spec.scale)
-    q_pos = np.arange(length - t, length, dtype=np.int64)
+    attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite)
     with c.abort_on_error():
-        o, lse, blocks = partial_attention(engine, q, q_pos, shard.views(), spec.Hkv, spec.Ev,
-                                           rules, tile=DEFAULT_TILE, finite=spec.options.check_finite,
-                                           fused=spec.fused)
+        o, lse, blocks = partial_attention(attend, q, shard.views())
         o, lse = tree_merge(c, o, lse)
     if used is not None:
         used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())

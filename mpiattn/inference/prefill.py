@@ -40,13 +40,13 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import Comm
-from ..kernels import DEFAULT_TILE
 from ..kernels.engine import Engine
 from ..layouts import Layout
 from ..strategies.api import attention
 from ..strategies.machines import Machine
 from ..strategies.ring import Ring
-from .local import Rules, partial_attention
+from ..strategies.spec import AttentionSpec
+from .local import partial_attention, step_attend
 from .merge import merge
 from .shard import Shard
 
@@ -127,16 +127,15 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
 
 
 def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
-           counts: list, engine: Engine, rules: Rules, finite: bool = True,
-           fused: bool = False) -> tuple[Any, Any]:
+           counts: list, engine: Engine, spec: AttentionSpec, finite: bool = True) -> tuple[Any, Any]:
     """pass-Q (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
-    ``counts[r]`` is rank ``r``'s number of chunk rows; ``rules`` hold the
-    causal flag, window and scale in absolute positions.
+    ``counts[r]`` is rank ``r``'s number of chunk rows; ``spec`` the call of
+    the chunk against the cache (its rules, scale and value dim).
     """
     xp = backend.array_module(q)
     B, H, n, E = q.shape
-    Hkv, Ev = shard.Hkv, shard.Ev
+    Ev = shard.Ev
     acc = backend.accum_dtype(q.dtype)
     P = c.size
     rows = xp.ascontiguousarray(xp.moveaxis(q, 2, 0))  # (c_r, B, H, E)
@@ -145,8 +144,7 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     all_pos = c.allgather_obj(chunk_pos) if P > 1 else [chunk_pos]
     q_pos = length + np.concatenate(all_pos).astype(np.int64)
     blocks = list(shard.views()) + ([(k, v, length + chunk_pos)] if n else [])
-    o, lse, _ = partial_attention(engine, Q, q_pos, blocks, Hkv, Ev, rules, tile=DEFAULT_TILE,
-                                  finite=finite, fused=fused)
+    o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite), Q, blocks)
     C = q_pos.size
     buf = xp.empty((C, B, H, Ev + 1), dtype=acc)
     buf[..., 0] = xp.moveaxis(lse, 2, 0)

@@ -1,20 +1,22 @@
 """What a local attention engine is: one interface, and the capabilities it declares.
 
 An engine computes one rank's attention against one key/value block at a
-time; the strategies (:mod:`mpiattn.strategies`) bring the blocks. Two
-objects carry a call, made by keyword:
+time; the blocked runner (:mod:`mpiattn.strategies.blocked`) brings the
+blocks, for every strategy and for decode. One object carries what the
+engine is told of the call, a :class:`~mpiattn.kernels.call.KernelCall`:
 
-``engine.forward(q=, hkv=, scale=, acc_dtype=, ev=, tile=, finite=, fused=)`` -> ``f``
+``engine.forward(call, q)`` -> ``f``
     ``f.add(k, v, mask)`` folds a block in (``mask`` a
     :class:`~mpiattn.masks.BlockMask`); ``f.result()`` returns ``out (B, H,
     n, Ev)`` and ``lse (B, H, n)`` in the accumulation dtype (rows that saw
     no key: ``out = 0``, ``lse = -inf``).
-``engine.backward(q=, dout=, out=, lse=, D=, hkv=, scale=, acc_dtype=, tile=, fused=)`` -> ``b``
+``engine.backward(call, q, dout, out, lse, D)`` -> ``b``
     ``b.add(k, v, mask, dk, dv)`` adds the block's gradients into ``dk``,
     ``dv`` (``(B, Hkv, k, E/Ev)``, accumulation dtype) and keeps ``dq``;
     ``b.result()`` returns ``dq (B, H, n, E)``. The global ``lse`` and
     ``D = rowsum(dout * out)`` make each block's gradients exact
-    (FlashAttention-2), whatever the order of the blocks.
+    (FlashAttention-2), whatever the order of the blocks; ``out`` is None
+    unless the engine declares :attr:`Capabilities.needs_out`.
 
 An engine declares what it can do (:class:`Capabilities`) and answers
 :meth:`Engine.supports` for a call from those declarations alone; an engine
@@ -29,7 +31,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Capabilities", "Engine", "Forward", "Backward"]
+from .call import KernelCall
+
+__all__ = ["Capabilities", "Engine", "Forward", "Backward", "KernelCall"]
 
 
 class Forward(Protocol):
@@ -112,12 +116,10 @@ class Engine:
         """
         return None
 
-    def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
-                finite: bool = False, fused: bool = False) -> Forward:
+    def forward(self, call: KernelCall, q: Any) -> Forward:
         """Start a forward pass for queries ``q (B, H, n, E)``."""
         raise NotImplementedError
 
-    def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int, fused: bool = False) -> Backward:
+    def backward(self, call: KernelCall, q: Any, dout: Any, out: Any, lse: Any, D: Any) -> Backward:
         """Start a backward pass (``lse``, ``D``: ``(B, H, n)``, global)."""
         raise NotImplementedError

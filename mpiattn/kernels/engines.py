@@ -3,6 +3,9 @@
 ``native``
     mpiattn's own blocked kernels (:mod:`mpiattn.kernels.native_engine`):
     every dtype, device and mask; the reference.
+``fused``
+    the native engine with the fused CuPy kernels of :mod:`mpiattn.kernels.fused`
+    (CuPy only): a tile's elementwise work in one kernel each way;
 ``torch``
     torch's fused flash-attention kernels on the same memory
     (:mod:`mpiattn.kernels.torch_engine`): NumPy float16/32/64 and CuPy
@@ -30,13 +33,13 @@ from __future__ import annotations
 from typing import Any
 
 from .engine import Engine
-from .native_engine import NativeEngine
+from .native_engine import FusedEngine, NativeEngine
 from .torch_engine import TorchEngine
 
 __all__ = ["ENGINES", "NAMES", "AUTO", "get", "local_choice"]
 
 #: Every engine, by name.
-ENGINES: dict[str, Engine] = {e.name: e for e in (NativeEngine(), TorchEngine())}
+ENGINES: dict[str, Engine] = {e.name: e for e in (NativeEngine(), FusedEngine(), TorchEngine())}
 
 #: Accepted values of ``engine=`` (``auto`` first).
 NAMES = ("auto", *ENGINES)

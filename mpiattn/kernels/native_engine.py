@@ -2,7 +2,9 @@
 
 Every dtype, device and mask rule; the reference the other engines are
 checked against. NumPy arrays run :mod:`mpiattn.kernels.native`, CuPy
-arrays :mod:`mpiattn.kernels.native_cuda` (``fused``: its fused kernels).
+arrays :mod:`mpiattn.kernels.native_cuda`. The ``fused`` engine is the
+same code with the fused CuPy kernels of :mod:`mpiattn.kernels.fused` for
+a tile's elementwise work (CuPy only; chosen by name like any engine).
 Blocks are cut into score tiles of ``tile`` rows; its preferred exchanged
 block is one tile: :data:`mpiattn.kernels.native.DEFAULT_TILE` rows on the
 host, the tile sized from the devices on CuPy (``spec.tile``, agreed by
@@ -18,20 +20,20 @@ import numpy as np
 from .. import backend
 from ..masks import RULES
 from . import native, native_cuda
-from .engine import Capabilities, Engine
+from .engine import Capabilities, Engine, KernelCall
 
-__all__ = ["NativeEngine"]
+__all__ = ["NativeEngine", "FusedEngine"]
 
 
 class _Forward:
-    def __init__(self, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
-                 fused: bool):
-        self.h, self.tile, self.group = q.shape[1], tile, q.shape[1] // hkv
+    def __init__(self, call: KernelCall, q: Any, fused: bool):
+        self.h, self.tile, self.group = q.shape[1], call.tile, q.shape[1] // call.hkv
         self.device = backend.array_module(q) is not np
         if self.device:
-            self.st = native_cuda.DeviceForward.start(q, hkv, scale, acc_dtype, ev, fused)
+            self.st = native_cuda.DeviceForward.start(q, call.hkv, call.scale, call.acc_dtype,
+                                                      call.ev, fused)
         else:
-            self.st = native.ForwardState.start(q, hkv, scale, acc_dtype, ev)
+            self.st = native.ForwardState.start(q, call.hkv, call.scale, call.acc_dtype, call.ev)
 
     def add(self, k: Any, v: Any, mask: Any) -> None:
         if self.device:
@@ -45,18 +47,18 @@ class _Forward:
 
 
 class _Backward:
-    def __init__(self, q: Any, dout: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int, fused: bool):
+    def __init__(self, call: KernelCall, q: Any, dout: Any, lse: Any, D: Any, fused: bool):
         xp = backend.array_module(q)
-        self.h, self.scale, self.tile, self.group = q.shape[1], scale, tile, q.shape[1] // hkv
+        hkv, scale, acc = call.hkv, call.scale, call.acc_dtype
+        self.h, self.scale, self.tile, self.group = q.shape[1], scale, call.tile, q.shape[1] // hkv
         self.device = xp is not np
         if self.device:  # dQ is scaled in its GEMM
-            self.bi = native_cuda.DeviceBackward.start(q, dout, lse, D, hkv, scale, acc_dtype, fused)
+            self.bi = native_cuda.DeviceBackward.start(q, dout, lse, D, hkv, scale, acc, fused)
             lead = self.bi.q.shape[:-1]
         else:
-            self.bi = native.BackwardInputs.start(q, dout, lse, D, hkv, scale, acc_dtype)
+            self.bi = native.BackwardInputs.start(q, dout, lse, D, hkv, scale, acc)
             lead = self.bi.qa.shape[:-1]
-        self.dq = xp.zeros(lead + (q.shape[3],), dtype=acc_dtype)
+        self.dq = xp.zeros(lead + (q.shape[3],), dtype=acc)
 
     def add(self, k: Any, v: Any, mask: Any, dk: Any, dv: Any) -> None:
         if self.device:
@@ -78,6 +80,8 @@ class NativeEngine(Engine):
         dtypes={"numpy": ("float16", "bfloat16", "float32", "float64"),
                 "cupy": ("float16", "float32", "float64")},
         rules=RULES, needs_out=False)
+    #: A tile's elementwise work in one fused CuPy kernel each way (:mod:`mpiattn.kernels.fused`).
+    fused = False
 
     def block_rows(self, spec: Any, max_rows: int) -> int:
         """One score tile (``spec.tile``, else :data:`mpiattn.kernels.native.DEFAULT_TILE` rows)."""
@@ -87,12 +91,23 @@ class NativeEngine(Engine):
         """This rank's preferred tile for ``spec`` (local): sized from the device on CuPy."""
         return native_cuda.device_tile(spec) if spec.device == "cupy" else None
 
-    def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
-                finite: bool = False, fused: bool = False) -> _Forward:
-        """Start a forward pass (NaN and Inf propagate by themselves: ``finite`` is not needed)."""
-        return _Forward(q, hkv, scale, acc_dtype, ev, tile, fused)
+    def forward(self, call: KernelCall, q: Any) -> _Forward:
+        """Start a forward pass (NaN and Inf propagate by themselves: ``call.finite`` is not needed)."""
+        return _Forward(call, q, self.fused)
 
-    def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int, fused: bool = False) -> _Backward:
+    def backward(self, call: KernelCall, q: Any, dout: Any, out: Any, lse: Any, D: Any) -> _Backward:
         """Start a backward pass (``out`` is not needed: ``D`` carries it)."""
-        return _Backward(q, dout, lse, D, hkv, scale, acc_dtype, tile, fused)
+        return _Backward(call, q, dout, lse, D, self.fused)
+
+
+class FusedEngine(NativeEngine):
+    """The native engine with the fused CuPy kernels (CuPy float16/32/64; every mask rule).
+
+    Chosen by name (``engine="fused"``), never by ``auto``, until a GPU run
+    of ``jobs/gpu_check.sh`` has compared it with the native engine.
+    """
+
+    name = "fused"
+    capabilities = Capabilities(dtypes={"cupy": ("float16", "float32", "float64")}, rules=RULES,
+                                needs_out=False)
+    fused = True

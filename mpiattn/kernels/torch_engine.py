@@ -35,7 +35,7 @@ import numpy as np
 from .. import backend
 from ..masks import BlockMask
 from . import torch_ops
-from .engine import Capabilities, Engine
+from .engine import Capabilities, Engine, KernelCall
 from .native import DEFAULT_TILE
 
 __all__ = ["TorchEngine", "runs"]
@@ -177,16 +177,15 @@ class TorchEngine(Engine):
         row_bytes = spec.B * spec.Hkv * (spec.E + spec.Ev) * np.dtype(spec.dtype).itemsize
         return max(DEFAULT_TILE, min(max(max_rows, 1), BLOCK_BYTES // max(row_bytes, 1)))
 
-    def forward(self, *, q: Any, hkv: int, scale: float, acc_dtype: Any, ev: int, tile: int,
-                finite: bool = False, fused: bool = False) -> _TorchForward:
-        """Start a forward pass for queries ``q (B, H, n, E)`` (``tile``, ``fused``: unused).
+    def forward(self, call: KernelCall, q: Any) -> _TorchForward:
+        """Start a forward pass for queries ``q (B, H, n, E)`` (``call.tile`` is unused).
 
-        With ``finite`` (the inputs were checked for NaN and Inf), the passes
-        that make non-finite rows come out NaN are skipped.
+        With ``call.finite`` (the inputs were checked for NaN and Inf), the
+        passes that make non-finite rows come out NaN are skipped.
         """
-        return _TorchForward(q, scale, acc_dtype, ev, finite)
+        return _TorchForward(q, call.scale, call.acc_dtype, call.ev, call.finite)
 
-    def backward(self, *, q: Any, dout: Any, out: Any, lse: Any, D: Any, hkv: int, scale: float,
-                 acc_dtype: Any, tile: int, fused: bool = False) -> _TorchBackward:
+    def backward(self, call: KernelCall, q: Any, dout: Any, out: Any, lse: Any,
+                 D: Any) -> _TorchBackward:
         """Start a backward pass with the global ``out`` and ``lse`` (torch forms ``D`` itself)."""
-        return _TorchBackward(q, dout, out, lse, scale, acc_dtype)
+        return _TorchBackward(q, dout, out, lse, call.scale, call.acc_dtype)

@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 from .dense import visible
-from .spec import ALIGNMENTS, RULES, MaskSpec, check_causal, check_window, diagonal
+from .spec import ALIGNMENTS, RULES, MaskSpec, check_causal, check_window, diagonal, softmax_scale
 from .tiles import BlockMask, QuerySide, block_mask, padding_bias
 
-__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal", "BlockMask", "QuerySide", "block_mask",
-           "padding_bias", "visible"]
+__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
+           "softmax_scale", "BlockMask", "QuerySide", "block_mask", "padding_bias", "visible"]

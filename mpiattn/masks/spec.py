@@ -17,13 +17,15 @@ tile, :mod:`mpiattn.masks.dense` materialises them for references, and
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal"]
+__all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
+           "softmax_scale"]
 
 #: The mask rules, in the order :attr:`MaskSpec.rules` lists the active ones.
 RULES = ("causal", "window", "segments", "padding")
@@ -45,6 +47,11 @@ def check_causal(causal: Any) -> bool | str:
     if isinstance(causal, str) and causal in ALIGNMENTS:
         return True if causal == "top-left" else causal
     raise TypeError(f"causal must be True, False, 'top-left' or 'bottom-right', got {causal!r}")
+
+
+def softmax_scale(scale: float | None, E: int) -> float:
+    """The scale of the scores ``s q_i . k_j``: ``scale`` when given, else ``1/sqrt(E)``."""
+    return 1.0 / math.sqrt(E) if scale is None else float(scale)
 
 
 def diagonal(causal: Any, n: int, m: int) -> int:
@@ -139,3 +146,12 @@ class MaskSpec:
         hi = np.inf if right is None else float(right)
         d = float(self.diagonal)
         return lo + d, (min(hi, 0.0) if self.causal else hi) + d
+
+    def key_ranges(self, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """For every query row ``i`` of ``n``: the keys ``jlo[i] .. jhi[i]`` of ``m`` that the
+        causal and window rules allow (:meth:`band`; empty where ``jlo > jhi``), int64 ``(n,)``."""
+        lo, hi = self.band()
+        i = np.arange(n, dtype=np.int64)
+        jlo = i + (-(n + m) if lo == -np.inf else int(lo))
+        jhi = i + (n + m if hi == np.inf else int(hi))
+        return np.maximum(jlo, 0), np.minimum(jhi, m - 1)

@@ -19,8 +19,8 @@ import numpy as np
 
 from .. import backend
 from ..layouts import all_segments, positions
-from .base import Phase, Strategy, blocked_memory, spread_phase
-from .blocked import KeyBlock, key_block, kv_data, run_backward, run_forward, zeros_like_kv
+from .base import Phase, blocked_memory, spread_phase
+from .blocked import BlockedStrategy, KeyBlock, key_block, kv_data
 
 __all__ = ["Allgather"]
 
@@ -43,16 +43,16 @@ def _blocks(c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = (
             got = [xp.moveaxis(c.allgatherv_rows(_rows_first(x[..., lo:lo + counts[c.rank], :]), counts), 0, -2)
                    for x in kv_data(pb, k, v, mask)]
             k_idx = np.concatenate([p[lo:lo + n] for p, n in zip(pos, counts)])
-            sinks = [xp.zeros(x.shape, dtype=s.acc_dtype) for x in got[:2]] if grads else []
-            yield key_block(pb, got, k_idx, sinks)
-            for g, part in zip(grads, sinks):
+            parts = [xp.zeros(x.shape, dtype=s.acc_dtype) for x in got[:2]] if grads else []
+            yield key_block(pb, got, k_idx, parts)
+            for g, part in zip(grads, parts):
                 g[..., lo:lo + counts[c.rank], :] += xp.moveaxis(
                     c.reduce_scatterv_rows(_rows_first(part), counts), 0, -2)
 
     return rounds, blocks()
 
 
-class Allgather(Strategy):
+class Allgather(BlockedStrategy):
     """All-gather attention (see the module docstring)."""
 
     name = "allgather"
@@ -73,12 +73,5 @@ class Allgather(Strategy):
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward, rounds=P)
 
-    def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
-        total, blocks = _blocks(c, pb, k, v, mask)
-        return run_forward(pb, q, blocks, total, progress)
-
-    def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                 D: Any, mask: Any, progress: Any) -> tuple:
-        dk, dv = zeros_like_kv(pb, k, v)
-        total, blocks = _blocks(c, pb, k, v, mask, grads=[dk, dv])
-        return run_backward(pb, dout, q, out, lse, D, blocks, total, progress), dk, dv
+    def blocks(self, c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
+        return _blocks(c, pb, k, v, mask, grads)

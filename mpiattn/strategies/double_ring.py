@@ -33,8 +33,8 @@ import numpy as np
 
 from ..comm.ring import Route, circulate, row_pieces
 from ..layouts import all_segments
-from .base import Phase, Strategy, blocked_memory
-from .blocked import key_block, kv_data, run_backward, run_forward, zeros_like_kv
+from .base import Phase, blocked_memory
+from .blocked import BlockedStrategy, key_block, kv_data
 
 __all__ = ["DoubleRing"]
 
@@ -45,7 +45,7 @@ def _moves(topology: Any) -> list[bool]:
     return [topology.n_nodes > 1 and (t + 1) % w == 0 for t in range(topology.P - 1)]
 
 
-class DoubleRing(Strategy):
+class DoubleRing(BlockedStrategy):
     """The double ring (see the module docstring)."""
 
     name = "double-ring"
@@ -79,20 +79,10 @@ class DoubleRing(Strategy):
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward)
 
-    def _blocks(self, c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
+    def blocks(self, c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
         s = pb.spec
         route = Route.two_level(c.topology.nodes, c.rank)
         total = sum(len(row_pieces(seg, pb.block)) for seg in all_segments(s.M, pb.P, s.kv_layout))
         pieces = circulate(c, kv_data(pb, k, v, mask), s.M, s.kv_layout, pb.block, acc_out=grads,
                            route=route)
         return total, (key_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)
-
-    def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
-        total, blocks = self._blocks(c, pb, k, v, mask)
-        return run_forward(pb, q, blocks, total, progress)
-
-    def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                 D: Any, mask: Any, progress: Any) -> tuple:
-        dk, dv = zeros_like_kv(pb, k, v)
-        total, blocks = self._blocks(c, pb, k, v, mask, grads=[dk, dv])
-        return run_backward(pb, dout, q, out, lse, D, blocks, total, progress), dk, dv

@@ -23,18 +23,17 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import DEFAULT_TILE, engines
+from ..kernels.call import KernelCall
 from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
 from ..masks import MaskSpec, QuerySide, diagonal
 from ..masks.ids import global_rows, local_ids
 from . import machines, registry
 from .base import Strategy
+from .blocked import Attend
 from .spec import SKIP_FINITE, AttentionSpec, Options
 
-__all__ = ["Problem", "validate", "FUSED_VARIABLE"]
-
-#: The environment switch of the fused CuPy kernels (read once per call, agreed).
-FUSED_VARIABLE = "MPIATTN_FUSED_KERNELS"
+__all__ = ["Problem", "validate"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,18 @@ class Problem:
     def queries(self) -> QuerySide:
         """This rank's queries as the key blocks of this call see them (one per call)."""
         return QuerySide.of(self.q_pos(), self.seg_q)
+
+    def kernel_call(self, heads: int = 1) -> KernelCall:
+        """What the engine is told of this call; ``heads``: the ranks its key/value heads are
+        shared among (a head-sharded strategy)."""
+        s = self.spec
+        return KernelCall(s.Hkv // heads, s.Ev, s.scale, s.acc_dtype, self.tile, self.finite)
+
+    def attend(self, queries: QuerySide | None = None, heads: int = 1) -> Attend:
+        """This rank's side of the call for the blocked runner (:mod:`mpiattn.strategies.blocked`):
+        its queries (default :meth:`queries`) against key blocks at global positions."""
+        return Attend(self.engine, self.kernel_call(heads), self.spec.mask,
+                      self.queries() if queries is None else queries, self.seg_k)
 
     def relaid(self, layout: Any) -> "Problem":
         """The same call with queries and keys in ``layout`` (the ids are global: unchanged)."""
@@ -153,12 +164,10 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
         ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
     if kv_segment_ids is not None:
         ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
-    mask_spec = MaskSpec(bool(options.causal), options.window, segment_ids is not None,
-                         kv_segment_ids is not None, mask is not None)
-    fused = os.environ.get(FUSED_VARIABLE, "0").strip() == "1"
-    here = AttentionSpec(B, H, Hkv, E, Ev, n, m, np.dtype(q.dtype), xp.__name__,
-                         1.0 / math.sqrt(E) if options.scale is None else options.scale, mask_spec,
-                         options.layout, options.kv_layout, options, fused)
+    here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
+                                     padding=mask is not None, segments=segment_ids is not None,
+                                     kv_segments=kv_segment_ids is not None)
+    mask_spec = here.mask
     machine = None
     if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
         machine = machines.load(machines.resolve_name(options.machine, xp.__name__))
@@ -166,7 +175,6 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
             "backend": xp.__name__, **options.by_field(),
             "segment_ids / kv_segment_ids / key_padding_mask presence": (
                 mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
-            f"the environment's {FUSED_VARIABLE}": fused,
             "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
                 None if machine is None else {**machine.to_dict(), "sources": None}),
             "_n": n, "_m": m, "_spec": here, "_machine": machine,

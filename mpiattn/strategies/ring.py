@@ -22,20 +22,13 @@ import numpy as np
 
 from ..comm.ring import circulate, row_pieces
 from ..layouts import all_segments
-from .base import Phase, Strategy, blocked_memory, ring_phase
-from .blocked import key_block, kv_data, run_backward, run_forward, zeros_like_kv
+from .base import Phase, blocked_memory, ring_phase
+from .blocked import BlockedStrategy, key_block, kv_data
 
 __all__ = ["Ring"]
 
 
-def _blocks(c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
-    s = pb.spec
-    total = sum(len(row_pieces(seg, pb.block)) for seg in all_segments(s.M, pb.P, s.kv_layout))
-    pieces = circulate(c, kv_data(pb, k, v, mask), s.M, s.kv_layout, pb.block, acc_out=grads)
-    return total, (key_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)
-
-
-class Ring(Strategy):
+class Ring(BlockedStrategy):
     """Ring attention (see the module docstring)."""
 
     name = "ring"
@@ -53,12 +46,8 @@ class Ring(Strategy):
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward)
 
-    def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
-        total, blocks = _blocks(c, pb, k, v, mask)
-        return run_forward(pb, q, blocks, total, progress)
-
-    def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                 D: Any, mask: Any, progress: Any) -> tuple:
-        dk, dv = zeros_like_kv(pb, k, v)
-        total, blocks = _blocks(c, pb, k, v, mask, grads=[dk, dv])
-        return run_backward(pb, dout, q, out, lse, D, blocks, total, progress), dk, dv
+    def blocks(self, c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
+        s = pb.spec
+        total = sum(len(row_pieces(seg, pb.block)) for seg in all_segments(s.M, pb.P, s.kv_layout))
+        pieces = circulate(c, kv_data(pb, k, v, mask), s.M, s.kv_layout, pb.block, acc_out=grads)
+        return total, (key_block(pb, p.data, np.arange(p.start, p.stop), p.acc) for p in pieces)

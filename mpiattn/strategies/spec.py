@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
-from ..masks import MaskSpec, check_causal, check_window, diagonal
+from ..masks import MaskSpec, check_causal, check_window, diagonal, softmax_scale
 
 __all__ = ["Options", "AttentionSpec", "SKIP_FINITE"]
 
@@ -155,8 +155,6 @@ class AttentionSpec:
         The rows of the queries and of the keys/values.
     options : Options
         What the user chose (strategy, engine, block size, check_finite).
-    fused : bool
-        Fused CuPy kernels asked for (``MPIATTN_FUSED_KERNELS=1``, read once per call).
     tile : int or None
         The score tile the ranks' devices agreed on (the smallest of their
         engines' :meth:`~mpiattn.kernels.engine.Engine.tile_rows`), None on the host.
@@ -176,7 +174,6 @@ class AttentionSpec:
     layout: Any
     kv_layout: Any
     options: Options
-    fused: bool = False
     tile: int | None = None
 
     @property
@@ -196,9 +193,10 @@ class AttentionSpec:
     @classmethod
     def from_shapes(cls, q: tuple, k: tuple, v: tuple, dtype: Any, options: Options | None = None,
                     *, device: str = "numpy", padding: bool = False, segments: bool = False,
-                    kv_segments: bool = False, fused: bool = False) -> "AttentionSpec":
-        """The spec of a call on global shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``,
-        ``v (B, Hkv, M, Ev)`` (no arrays, no communication: to plan or estimate a run).
+                    kv_segments: bool = False) -> "AttentionSpec":
+        """The spec of a call on shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M,
+        Ev)``: the one constructor (global shapes to plan or estimate a run; a rank's local
+        shapes inside a validation, whose agreement then sets the global lengths).
 
         The shapes are trusted (checked where arrays are read).
         """
@@ -207,9 +205,8 @@ class AttentionSpec:
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
         mask = MaskSpec(bool(o.causal), o.window, segments, kv_segments, padding,
                         diagonal(o.causal, N, M))
-        return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device,
-                   1.0 / math.sqrt(E) if o.scale is None else o.scale, mask, o.layout,
-                   o.layout if o.kv_layout is None else o.kv_layout, o, fused)
+        return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device, softmax_scale(o.scale, E), mask,
+                   o.layout, o.layout if o.kv_layout is None else o.kv_layout, o)
 
     def with_options(self, **keywords: Any) -> "AttentionSpec":
         """The same call with some options changed (e.g. ``strategy=``)."""

@@ -19,9 +19,10 @@ import numpy as np
 from .. import backend
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
-from ..masks import QuerySide, block_mask
+from ..masks import QuerySide
 from ..masks.ids import global_rows
-from .base import Phase, Strategy, blocked_memory, report, sends_out, spread_phase
+from .base import Phase, Strategy, blocked_memory, sends_out, spread_phase
+from .blocked import KeyBlock, run_backward, run_forward
 
 __all__ = ["Ulysses"]
 
@@ -66,11 +67,12 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
     return xp.ascontiguousarray(got.reshape(P, B, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(B, P * hp, n, F)
 
 
-def _whole_mask(c: Comm, pb: Any, mask: Any) -> Any:
-    """The mask of every query against every key, for the head-sharded arrays."""
+def _whole(c: Comm, pb: Any, kh: Any, vh: Any, mask: Any, grads: tuple = ()) -> tuple:
+    """This rank's heads of every query against one block of every key (the runner's input)."""
     s = pb.spec
     pad = global_rows(c, mask, s.M, s.kv_layout) if s.mask.padding else None
-    return block_mask(s.mask, QuerySide.of(np.arange(s.N), pb.seg_q), np.arange(s.M), pb.seg_k, pad)
+    attend = pb.attend(QuerySide.of(np.arange(s.N), pb.seg_q), heads=pb.P)
+    return attend, [KeyBlock(kh, vh, np.arange(s.M), pad, *grads)]
 
 
 class Ulysses(Strategy):
@@ -117,12 +119,8 @@ class Ulysses(Strategy):
         qh = _seq_to_heads(c, q, s.N, s.layout)
         kh = _seq_to_heads(c, k, s.M, s.kv_layout)
         vh = _seq_to_heads(c, v, s.M, s.kv_layout)
-        bm = _whole_mask(c, pb, mask)
-        f = pb.engine.forward(q=qh, hkv=s.Hkv // pb.P, scale=s.scale, acc_dtype=s.acc_dtype,
-                              ev=s.Ev, tile=pb.tile, finite=pb.finite, fused=s.fused)
-        f.add(kh, vh, bm)
-        report(progress, 1, 1)
-        o, lse = f.result()
+        attend, blocks = _whole(c, pb, kh, vh, mask)
+        o, lse, _ = run_forward(attend, qh, iter(blocks), 1, progress)
         o = o.astype(s.dtype, copy=False)
         return (_heads_to_seq(c, o, s.N, s.layout),
                 _heads_to_seq(c, lse[..., None], s.N, s.layout)[..., 0])
@@ -137,14 +135,10 @@ class Ulysses(Strategy):
         doh = _seq_to_heads(c, dout, s.N, s.layout)
         stats = _seq_to_heads(c, xp.stack([lse.astype(s.acc_dtype), D], axis=-1), s.N, s.layout)
         oh = _seq_to_heads(c, out, s.N, s.layout) if pb.engine.capabilities.needs_out else None
-        bm = _whole_mask(c, pb, mask)
-        bwd = pb.engine.backward(q=qh, dout=doh, out=oh, lse=stats[..., 0], D=stats[..., 1],
-                                 hkv=s.Hkv // pb.P, scale=s.scale, acc_dtype=s.acc_dtype,
-                                 tile=pb.tile, fused=s.fused)
         dk = xp.zeros(kh.shape, dtype=s.acc_dtype)
         dv = xp.zeros(vh.shape, dtype=s.acc_dtype)
-        bwd.add(kh, vh, bm, dk, dv)
-        report(progress, 1, 1)
-        dq = bwd.result()
+        attend, blocks = _whole(c, pb, kh, vh, mask, (dk, dv))
+        dq = run_backward(attend, doh, qh, oh, stats[..., 0], stats[..., 1], iter(blocks), 1,
+                          progress)
         return (_heads_to_seq(c, dq, s.N, s.layout), _heads_to_seq(c, dk, s.M, s.kv_layout),
                 _heads_to_seq(c, dv, s.M, s.kv_layout))

@@ -698,29 +698,30 @@ def _device_call(fake, N, E=8, dtype=np.float16, backward=False, **kw):
 
 
 @pytest.mark.parametrize("fused_on", [False, True])
-def test_device_tile_loop_holds_the_host_only_per_call(fake, monkeypatch, fused_on, serial_only):
+def test_device_tile_loop_holds_the_host_only_per_call(fake, fused_on, serial_only):
     """F2: host synchronisations per forward/backward call do not grow with N; launches per
-    steady tile stay within the issue's bounds (fused: at most 8 forward and 8 backward)."""
-    monkeypatch.setenv("MPIATTN_FUSED_KERNELS", "1" if fused_on else "0")
+    steady tile stay within the issue's bounds (the fused engine: at most 8 forward and 8 backward)."""
     T = 64
+    engine = "fused" if fused_on else "native"
     for backward in (False, True):
-        small = _device_call(fake, 2 * T, block_size=T, backward=backward)
-        large = _device_call(fake, 4 * T, block_size=T, backward=backward)
+        small = _device_call(fake, 2 * T, block_size=T, backward=backward, engine=engine)
+        large = _device_call(fake, 4 * T, block_size=T, backward=backward, engine=engine)
         assert small.host_syncs == large.host_syncs, (small.syncs, large.syncs)
         per_tile = (large.launches - small.launches) / (16 - 4)
         bound = 8 if fused_on else 20
         assert per_tile <= bound, (backward, per_tile, large.kinds)
-        causal = _device_call(fake, 4 * T, block_size=T, backward=backward, causal=True)
-        causal_small = _device_call(fake, 2 * T, block_size=T, backward=backward, causal=True)
+        causal = _device_call(fake, 4 * T, block_size=T, backward=backward, causal=True,
+                              engine=engine)
+        causal_small = _device_call(fake, 2 * T, block_size=T, backward=backward, causal=True,
+                                    engine=engine)
         assert causal.host_syncs == causal_small.host_syncs, (causal_small.syncs, causal.syncs)
 
 
-def test_float16_gemms_use_tensor_cores_without_upcast_copies(fake, monkeypatch, serial_only):
+def test_float16_gemms_use_tensor_cores_without_upcast_copies(fake, serial_only):
     """F1: float16 operands go to cuBLAS as float16 with float32 accumulation, aligned, and
     Q, K, V are never cast (no astype launches), forward and backward."""
-    monkeypatch.setenv("MPIATTN_FUSED_KERNELS", "1")
     for backward in (False, True):
-        c = _device_call(fake, 256, E=64, block_size=128, backward=backward)
+        c = _device_call(fake, 256, E=64, block_size=128, backward=backward, engine="fused")
         assert c.gemms and all(g["api"] == "gemmEx" and g["A"] == "float16" and g["compute"] == 68
                                for g in c.gemms), c.gemms[:3]
         assert all(g["aligned"] for g in c.gemms), [g for g in c.gemms if not g["aligned"]][:3]
@@ -729,20 +730,17 @@ def test_float16_gemms_use_tensor_cores_without_upcast_copies(fake, monkeypatch,
         assert c.kinds.get("astype", 0) <= (5 if backward else 2), c.kinds
 
 
-def test_fused_switch_is_read_once_per_call_and_agreed(comm, monkeypatch):
-    """MPIATTN_FUSED_KERNELS=1 asks for the fused kernels; every rank must say the same."""
+def test_the_fused_kernels_are_an_engine_chosen_by_name(comm):
+    """The fused kernels are the ``fused`` engine (CuPy only, every rule), asked for like any
+    engine; ``auto`` never picks it, and on NumPy arrays it is refused on every rank."""
+    from mpiattn.kernels import engines
     from mpiattn.strategies import problem
 
     x = np.ones((1, 1, 4, 2))
-    call = lambda: problem.validate(comm, x, x, x, None, {}, {})  # noqa: E731
-    monkeypatch.delenv(problem.FUSED_VARIABLE, raising=False)
-    assert call().spec.fused is False
-    monkeypatch.setenv(problem.FUSED_VARIABLE, "1")
-    assert call().spec.fused is True
-    if comm.size > 1:
-        monkeypatch.setenv(problem.FUSED_VARIABLE, "1" if comm.rank == 0 else "0")
-        with pytest.raises(ValueError, match="ranks disagree on the environment's MPIATTN_FUSED_KERNELS"):
-            call()
+    assert engines.get("fused").fused and not engines.get("native").fused
+    assert problem.validate(comm, x, x, x, None, {}, {}).engine.name == "native"
+    with pytest.raises(ValueError, match="the fused engine does not run on numpy arrays"):
+        problem.validate(comm, x, x, x, None, {}, {"engine": "fused"})
     assert sorted(fused.__all__) == ["BIG", "generic", "softmax_bwd_", "softmax_fwd_"]
 
 

@@ -127,6 +127,8 @@ def test_non_causal_decode_sees_every_key(comm):
 
 @pytest.mark.parametrize("engine", [e for e in engines.ENGINES if e != "native"])
 def test_other_engines_decode_alike(comm, engine):
+    if "numpy" not in engines.get(engine).capabilities.dtypes:
+        pytest.skip(f"the {engine} engine takes no NumPy arrays (tests/gpu runs it on the fake CuPy)")
     why = engines.get(engine).usable("numpy")
     if why:
         pytest.skip(why)

@@ -1,0 +1,50 @@
+"""What an engine is told of one call besides its arrays: one object, made by whoever brings the blocks.
+
+A strategy (or a decode step) makes one :class:`KernelCall` per pass and
+hands it to :meth:`mpiattn.kernels.engine.Engine.forward` or
+:meth:`~mpiattn.kernels.engine.Engine.backward` with the queries; the
+blocks then come with their :class:`~mpiattn.masks.BlockMask`. Everything
+an engine may need is here, and nothing that only one engine needs is
+threaded through the callers: an engine reads the fields it uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["KernelCall"]
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One pass of an engine over key/value blocks.
+
+    Attributes
+    ----------
+    hkv : int
+        Key/value heads of the arrays the engine gets (a head-sharded call:
+        this rank's share).
+    ev : int
+        The value head dim.
+    scale : float
+        The softmax scale of the scores.
+    acc_dtype : numpy.dtype
+        The accumulation dtype of ``out``, ``lse`` and the gradients.
+    tile : int
+        Rows and keys of one score tile (the native engine's unit of work).
+    finite : bool
+        Every rank checked its inputs to hold no NaN or Inf (an engine that
+        must guard against infinite keys may skip it).
+    """
+
+    hkv: int
+    ev: int
+    scale: float
+    acc_dtype: np.dtype
+    tile: int
+    finite: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "acc_dtype", np.dtype(self.acc_dtype))
