@@ -36,7 +36,7 @@ import numpy as np
 from .comm.core import find_comm, get_comm
 from .comm.device import (TRANSPORTS, configure, decide_transport, describe_transport,
                           gather_evidence, judge_evidence)
-from .comm.transports import PinnedPool
+from .comm.pinned import PinnedPool
 
 __all__ = [
     "NoGPUError",

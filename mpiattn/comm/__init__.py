@@ -10,7 +10,13 @@ Modules, bottom to top:
 ``ring``
     the ring pipeline :func:`circulate` (double-buffered ``Isend``/``Irecv``);
 ``transports``
-    how CuPy buffers move (CUDA-aware MPI, pinned staging, NCCL);
+    what every way of moving CuPy buffers offers (its methods, its stream
+    contract, its requests);
+``pinned``
+    reusable page-locked host buffers;
+``cuda_aware``, ``staged``
+    CuPy buffers through CUDA-aware MPI, or staged through pinned host
+    memory (NCCL: ``nccl``);
 ``device``
     the collective decision of which transport a Comm uses.
 """

@@ -17,7 +17,7 @@
     synchronised.
 ``staged``
     Copies through reusable pinned host buffers on a dedicated copy stream,
-    ordered with events (:mod:`mpiattn.comm.transports`).
+    ordered with events (:mod:`mpiattn.comm.staged`).
 ``nccl``
     Ring shifts through NCCL communicators bootstrapped over MPI; needs one
     GPU per rank (NCCL refuses two ranks on one device), else ``staged``
@@ -39,7 +39,7 @@ from typing import Any
 
 from .core import Comm, get_comm
 from .. import backend
-from . import errors, nccl, transports
+from . import cuda_aware, errors, nccl, staged
 
 __all__ = ["TRANSPORTS", "gather_evidence", "judge_evidence", "decide_transport",
            "describe_transport", "configure", "prepare"]
@@ -321,7 +321,7 @@ def configure(comm: Any = None, transport: str | None = None, requested: str | N
         name, reason = transport, "set by configure()"
     import cupy
 
-    cls = {"cuda-aware": transports.CudaAwareTransport, "staged": transports.StagedTransport,
+    cls = {"cuda-aware": cuda_aware.CudaAwareTransport, "staged": staged.StagedTransport,
            "nccl": nccl.NcclTransport}[name]
     obj = cls(c, cupy)
     obj.reason = reason

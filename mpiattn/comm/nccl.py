@@ -2,7 +2,7 @@
 
 Ring neighbours only: messages ``r -> r+1`` and ``r-1 -> r`` go through NCCL;
 anything else, and the collectives, through a
-:class:`~mpiattn.comm.transports.StagedTransport`.
+:class:`~mpiattn.comm.staged.StagedTransport`.
 
 One communicator per :class:`~mpiattn.comm.Comm` and one stream. NCCL's
 point-to-point operations block their stream until the peer posts the
@@ -33,7 +33,8 @@ import logging
 import os
 from typing import Any, Callable
 
-from .transports import StagedTransport, _check_contiguous, _Done, _Request
+from .staged import StagedTransport
+from .transports import _check_contiguous, _Done, _Request
 
 __all__ = ["NcclTransport", "EAGER_VARIABLE"]
 

@@ -10,6 +10,10 @@
     the outputs a program is making, and the veto of a signal handler;
 ``atomic``
     outputs that appear complete under their name or not at all;
+``opening``
+    opening a file to read, and checking that it stays the file opened;
+``schema``
+    what an input file holds (datasets, shapes, dtypes, attributes), checked;
 ``reading``
     each rank reads only its rows of an attention problem;
 ``writing``
@@ -24,12 +28,13 @@ from __future__ import annotations
 
 from .atomic import Target, check_output, check_space, check_targets, publish, write_atomically
 from .checkpoint import load_params, save_params
-from .reading import (SEQ_AXIS_FROM_END, Inputs, NonFiniteError, file_info, parallel_hdf5,
-                      read_attributes, read_input, read_meta)
+from .opening import file_info, read_attributes
+from .reading import Inputs, NonFiniteError, read_input
+from .schema import SEQ_AXIS_FROM_END, read_meta
 from .publishing import Outputs, Stopped
 from .temporaries import Stale, remove_stale
 from .naming import NEW, REPLACE, ChangedError, Rule
-from .writing import CHUNK_BYTES, Rows, rows_target, write_rows
+from .writing import CHUNK_BYTES, Rows, parallel_hdf5, rows_target, write_rows
 
 __all__ = ["NonFiniteError", "Rows", "Inputs", "parallel_hdf5", "file_info", "read_attributes",
            "read_meta", "read_input", "check_output", "write_rows", "write_atomically", "save_params",

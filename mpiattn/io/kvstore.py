@@ -29,7 +29,8 @@ from ..comm.core import Comm
 from .atomic import Target, on_rank0, publish
 from .naming import NEW, REPLACE, Rule
 from .publishing import Outputs
-from .reading import _open_read, _plain, _scale_attribute, identity, window_from_attribute
+from .opening import _open_read, _plain, identity
+from .schema import _scale_attribute, window_from_attribute
 from .writing import Rows, rows_target
 
 __all__ = ["FORMAT", "VERSION", "AXES", "save_cache", "cache_target", "read_cache_meta",

@@ -1,17 +1,16 @@
 """Reading an attention problem from HDF5, each rank only its own rows.
 
 Rank 0 reads the file's metadata (dataset shapes, dtypes, attributes) and
-validates it; every rank learns the verdict (the same error on every rank)
-and the metadata. Each rank then reads only its rows of every dataset, one
-hyperslab per layout segment (zigzag: two), straight into its buffer. No
-array passes through another rank. The file format is described in
-``docs/file-format.md``.
+validates it (:mod:`mpiattn.io.schema`); every rank learns the verdict (the
+same error on every rank) and the metadata. Each rank then reads only its
+rows of every dataset, one hyperslab per layout segment (zigzag: two),
+straight into its buffer, and checks that it read the file whose metadata
+was read (:mod:`mpiattn.io.opening`). No array passes through another rank.
+The file format is described in ``docs/file-format.md``.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,24 +21,12 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
-from ..masks.spec import ALIGNMENTS, check_causal
 from .atomic import on_rank0
 from .hdf5types import BFLOAT16, bfloat16_dtype, is_bfloat16_type
-from .paths import missing
+from .opening import _open_read, _same_input, identity
+from .schema import KEY_DATASETS, SEQ_AXIS_FROM_END, _read_meta, read_meta
 
-__all__ = ["NonFiniteError", "Inputs", "SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute",
-           "read_whole", "parallel_hdf5", "file_info", "identity", "read_attributes", "read_meta",
-           "read_input"]
-
-#: Input datasets and the axis (from the end) of their sequence dimension.
-SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1, "segment_ids": 1,
-                     "kv_segment_ids": 1}
-
-#: Datasets along the keys (M rows, read by the keys' layout); the others run along the queries.
-KEY_DATASETS = ("k", "v", "key_padding_mask", "kv_segment_ids")
-
-#: Datasets stored (B, L) or (L,): the padding mask and the document ids.
-_ROWS_2D = ("key_padding_mask", "segment_ids", "kv_segment_ids")
+__all__ = ["NonFiniteError", "Inputs", "read_input", "read_whole"]
 
 
 class NonFiniteError(ValueError):
@@ -71,7 +58,7 @@ class Inputs:
         attributes (None when absent).
     layout : str
     info : dict
-        :func:`file_info` of the input file.
+        :func:`~mpiattn.io.opening.file_info` of the input file.
     """
 
     path: str
@@ -91,232 +78,6 @@ class Inputs:
     kv_segment_ids: np.ndarray | None = None
     window: tuple | None = None  # the file's 'window' attribute, (left, right), None = unbounded side
     kv_layout: Any = None
-
-
-def parallel_hdf5() -> bool:
-    """True when h5py was built against a parallel (MPI) HDF5."""
-    import h5py
-
-    return bool(h5py.get_config().mpi)
-
-
-def file_info(path: str, identity: tuple | None = None) -> dict:
-    """``{"path", "size", "mtime", "identity"}`` of a file.
-
-    The absolute path, bytes, ISO-8601 UTC modification time, and the
-    identity ``(device, inode, size, mtime_ns)`` (:func:`identity`; by
-    default that of ``path`` now).
-    """
-    if identity is None:
-        st = os.stat(path)
-        identity = (int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
-    mtime = datetime.datetime.fromtimestamp(identity[3] / 1e9, tz=datetime.timezone.utc)
-    return {"path": os.path.abspath(path), "size": identity[2],
-            "mtime": mtime.isoformat(timespec="seconds"), "identity": identity}
-
-
-def identity(f: Any) -> tuple[int, int, int, int]:
-    """``(device, inode, size, mtime_ns)`` of the file an open h5py ``File`` reads.
-
-    From its file descriptor, so it names the file actually opened even if
-    the path now leads elsewhere.
-    """
-    try:
-        st = os.fstat(f.id.get_vfd_handle())
-    except Exception:  # noqa: BLE001 - a driver without a descriptor: the path, at once
-        st = os.stat(f.filename)
-    return (int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
-
-
-def _same_input(path: str, want: tuple, got: list) -> None:
-    """Raise unless every rank's identities in ``got`` equal ``want`` (every rank decides alike)."""
-    for r, ids in enumerate(got):
-        for seen in ids:
-            if tuple(seen) != tuple(want):
-                what = ("another file (device, inode " f"{seen[0]}, {seen[1]})"
-                        if tuple(seen[:2]) != tuple(want[:2]) else
-                        f"the same file changed (size {seen[2]} bytes, modified "
-                        f"{seen[3] / 1e9:.3f}; first seen: {want[2]} bytes, {want[3] / 1e9:.3f})")
-                raise ValueError(f"input file {path} changed while this run was reading it: rank "
-                                 f"{r} found {what}; nothing was computed. Run again once nothing "
-                                 "replaces or writes the input")
-
-
-def _open_read(path: str) -> Any:
-    import h5py
-
-    problem = missing(path, "input file")
-    if problem is not None:
-        raise problem
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"input {path} is a directory, not an HDF5 file")
-    try:
-        return h5py.File(path, "r")
-    except OSError as exc:
-        raise OSError(f"cannot open {path} as an HDF5 file: {exc}") from None
-
-
-def _plain(value: Any) -> Any:
-    """HDF5 attribute value -> plain Python scalar/str."""
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.ndarray) and value.shape == ():
-        value = value[()]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return value
-
-
-def read_attributes(path: str, comm: Any = None) -> dict | None:
-    """The root attributes of an HDF5 file (plain Python values), or None when it is not one.
-
-    Rank 0 reads; every rank receives the result (or the same error).
-    """
-    c = get_comm(comm)
-
-    def attrs() -> dict | None:
-        try:
-            f = _open_read(path)
-        except OSError:
-            return None
-        with f:
-            return {k: _plain(v) for k, v in f.attrs.items()}
-
-    return on_rank0(c, attrs)
-
-
-# --------------------------------------------------------------------- reading
-def _promoted(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Stored shape -> 4-D (2-D for the mask and the ids) by leading axes of length 1."""
-    want = 2 if name in _ROWS_2D else 4
-    lo = 1 if name in _ROWS_2D else 2
-    if not lo <= len(shape) <= want:
-        forms = "(B, L) or (L,)" if name in _ROWS_2D else "(B, H, L, F), (H, L, F) or (L, F)"
-        raise ValueError(f"dataset {name!r} has {len(shape)} dimensions {shape}; expected {forms}")
-    return (1,) * (want - len(shape)) + tuple(shape)
-
-
-def _check_dtype(name: str, dt: np.dtype) -> None:
-    if name in ("segment_ids", "kv_segment_ids"):
-        if dt.kind not in "iu":
-            raise TypeError(f"dataset {name!r} has dtype {dt}; document ids must be integers")
-        return
-    if name == "key_padding_mask":
-        if dt != np.bool_:
-            raise TypeError(f"dataset 'key_padding_mask' has dtype {dt}; it must be boolean "
-                            "(True = padding key to ignore)")
-        return
-    if dt.kind != "f" or dt.newbyteorder("=") not in backend.SUPPORTED_DTYPES:
-        raise TypeError(f"dataset {name!r} has dtype {dt}; mpiattn needs real floating-point "
-                        "data (float16, bfloat16, float32 or float64, any byte order)")
-
-
-def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
-    """Check the promoted global shapes of the input datasets against each other."""
-    B, H, N, E = shapes["q"]
-    Bk, Hkv, M, Ek = shapes["k"]
-    Bv, Hv, Mv, Ev = shapes["v"]
-    if (Bk, Ek) != (B, E):
-        raise ValueError(f"q {shapes['q']} and k {shapes['k']} must have the same batch size B "
-                         "and feature size E")
-    if (Bv, Hv, Mv) != (Bk, Hkv, M):
-        raise ValueError(f"k {shapes['k']} and v {shapes['v']} must have the same batch size B, "
-                         "heads Hkv and length M")
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"q has H = {H} heads, k and v have Hkv = {Hkv}: H must be a "
-                         "positive multiple of Hkv")
-    if E < 1:
-        raise ValueError(f"q {shapes['q']} and k {shapes['k']} have feature size E = {E}; it "
-                         "must be at least 1")
-    if "dout" in shapes and shapes["dout"] != (B, H, N, Ev):
-        raise ValueError(f"dout has shape {shapes['dout']}, expected (B, H, N, Ev) = {(B, H, N, Ev)}")
-    if "key_padding_mask" in shapes and shapes["key_padding_mask"] != (B, M):
-        raise ValueError(f"key_padding_mask has shape {shapes['key_padding_mask']}, "
-                         f"expected (B, M) = {(B, M)}")
-    for name, want in (("segment_ids", (B, N)), ("kv_segment_ids", (B, M))):
-        if name in shapes and shapes[name] != want:
-            raise ValueError(f"{name} has shape {shapes[name]}, expected {want}")
-    if "kv_segment_ids" in shapes and "segment_ids" not in shapes:
-        raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
-    if "segment_ids" in shapes and "kv_segment_ids" not in shapes and N != M:
-        raise ValueError(f"segment_ids without kv_segment_ids: the keys take the query ids, "
-                         f"which needs N == M (here N = {N}, M = {M})")
-
-
-def window_from_attribute(value: Any) -> tuple | None:
-    """The ``window`` attribute (two ints, -1 = no bound on that side) -> ``(left, right)`` or None.
-
-    Raises ValueError unless it is two integers >= -1.
-    """
-    if value is None:
-        return None
-    w = np.asarray(value)
-    if w.shape != (2,) or w.dtype.kind not in "iu" or (w < -1).any():
-        raise ValueError(f"attribute 'window' must be two integers (left, right), -1 for no bound, "
-                         f"got {value!r}")
-    out = tuple(None if x < 0 else int(x) for x in w.tolist())
-    return None if out == (None, None) else out
-
-
-def _read_meta(path: str) -> dict:
-    """Metadata of an input file, validated (run on one rank)."""
-    with _open_read(path) as f:
-        stored, dtypes = {}, {}
-        for name in SEQ_AXIS_FROM_END:
-            if name not in f:
-                if name in ("q", "k", "v"):
-                    raise ValueError(f"{path} has no dataset {name!r} (found: "
-                                     f"{', '.join(sorted(f.keys())) or 'nothing'})")
-                continue
-            ds = f[name]
-            import h5py
-
-            if not isinstance(ds, h5py.Dataset):
-                raise ValueError(f"{path}: {name!r} is a group, not a dataset")
-            _check_dtype(name, ds.dtype)
-            stored[name] = tuple(int(s) for s in ds.shape)
-            dtypes[name] = (BFLOAT16 if is_bfloat16_type(ds.id.get_type())  # docs/file-format.md
-                            else ds.dtype.newbyteorder("=").str)  # read in native byte order
-        shapes = {name: _promoted(name, s) for name, s in stored.items()}
-        _validate(shapes)
-        causal = _causal_attribute(path, f.attrs.get("causal"))
-        scale = _scale_attribute(path, f.attrs.get("scale"))
-        try:
-            window = window_from_attribute(f.attrs.get("window"))
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        info = file_info(path, identity(f))
-    return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": info,
-            "causal": causal, "scale": scale, "window": window}
-
-
-def _causal_attribute(path: str, value: Any) -> bool | str | None:
-    """The ``causal`` attribute: a boolean (or the integer 0 or 1), or an alignment
-    (``"top-left"``, i.e. True, or ``"bottom-right"``), else ValueError."""
-    if value is None:
-        return None
-    plain = _plain(value)
-    if isinstance(plain, bool) or (isinstance(plain, int) and plain in (0, 1)):
-        return bool(plain)
-    if isinstance(plain, str) and plain in ALIGNMENTS:
-        return check_causal(plain)
-    raise ValueError(f"{path}: attribute 'causal' must be a boolean, 'top-left' or 'bottom-right', "
-                     f"got {value!r}")
-
-
-def _scale_attribute(path: str, value: Any) -> float | None:
-    """The ``scale`` attribute: a finite real number (not a string, not a boolean), else ValueError."""
-    if value is None:
-        return None
-    plain = _plain(value)
-    if isinstance(plain, bool) or not isinstance(plain, (int, float)):
-        raise ValueError(f"{path}: attribute 'scale' must be a number, got {value!r} "
-                         f"({type(plain).__name__})")
-    if not math.isfinite(plain):
-        raise ValueError(f"{path}: attribute 'scale' must be finite, got {plain!r}")
-    return float(plain)
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
@@ -376,27 +137,6 @@ def _first_nonfinite_row(x: np.ndarray, axis: int, segs: list[tuple[int, int]]) 
     return None
 
 
-def read_meta(path: str, comm: Any = None) -> dict:
-    """The validated metadata of an input file, on every rank (rank 0 reads it).
-
-    Returns
-    -------
-    dict
-        ``stored`` and ``shapes`` (promoted) per dataset, ``dtypes``,
-        ``causal``, ``scale``, ``window`` (the attributes, checked), and
-        ``info`` (:func:`file_info`, with the identity of the file read).
-        Pass it to :func:`read_input` and :func:`read_whole`, which check
-        that every later open finds the same file.
-
-    Raises
-    ------
-    FileNotFoundError, OSError, ValueError, TypeError
-        The same error on every rank.
-    """
-    c = get_comm(comm)
-    return on_rank0(c, lambda: _read_meta(os.path.abspath(path)))
-
-
 def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype: Any = None,
                check_finite: bool = True, kv_layout: Any = None, meta: dict | None = None) -> Inputs:
     """Read this rank's rows of an attention problem from an HDF5 file.
@@ -414,14 +154,14 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     layout : {"contiguous", "zigzag"} or Layout
         Which rows each rank reads (:mod:`mpiattn.layouts`).
     kv_layout : layout, optional
-        The rows of the key datasets (:data:`KEY_DATASETS`); default ``layout``.
+        The rows of the key datasets (:data:`~mpiattn.io.schema.KEY_DATASETS`); default ``layout``.
     dtype : dtype, optional
         Compute dtype for ``q``, ``k``, ``v``, ``dout``; default the common
         type of the stored ``q``, ``k``, ``v``.
     check_finite : bool
         Raise :class:`NonFiniteError` when a dataset holds NaN or Inf.
     meta : dict, optional
-        :func:`read_meta` of the file, when the caller read it already.
+        :func:`~mpiattn.io.schema.read_meta` of the file, when the caller read it already.
 
     Returns
     -------

@@ -33,14 +33,21 @@ from .atomic import NoSpaceError, Target, publish
 from .naming import NEW, REPLACE, Rule
 from .hdf5types import BFLOAT16, bfloat16_type
 from .publishing import Outputs
-from .reading import parallel_hdf5
 
-__all__ = ["Rows", "write_rows", "rows_target", "CHUNK_BYTES"]
+__all__ = ["Rows", "write_rows", "rows_target", "CHUNK_BYTES", "parallel_hdf5"]
 
 #: Target size of one HDF5 chunk of an output dataset.
 CHUNK_BYTES = 1 << 20
 
 _TOKEN_TAG = 7301
+
+
+def parallel_hdf5() -> bool:
+    """True when h5py was built against a parallel (MPI) HDF5."""
+    import h5py
+
+    return bool(h5py.get_config().mpi)
+
 
 @dataclass
 class Rows:

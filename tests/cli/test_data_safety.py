@@ -20,7 +20,7 @@ import pytest
 from mpiattn import cli, io
 from mpiattn.cli import steps
 from mpiattn.comm import node as nodes
-from mpiattn.io import atomic, reading
+from mpiattn.io import atomic, opening, reading, schema
 
 from helpers import finish_group, mpiexec, run_cli as run, whole
 
@@ -83,7 +83,7 @@ def test_an_input_replaced_while_the_ranks_open_it_is_an_error(comm, capsys, sha
     for path, seed in ((inp, 1), (alt, 2)):
         assert run(comm, capsys, "make-data", path, "--seq", 40, "--heads", 2, "--dim", 4,
                    "--with-dout", "--seed", seed, "-q")[0] == 0
-    real, opened = reading._open_read, []
+    real, opened = opening._open_read, []
 
     def open_read(path):
         if path == inp and comm.rank == comm.size - 1:
@@ -91,7 +91,8 @@ def test_an_input_replaced_while_the_ranks_open_it_is_an_error(comm, capsys, sha
             if len(opened) == 2:  # its data read (the first was rank 0's metadata, at one rank)
                 os.replace(alt, inp)
         return real(path)
-    monkeypatch.setattr(reading, "_open_read", open_read)
+    for module in (schema, reading):  # where the metadata (rank 0) and the data are opened
+        monkeypatch.setattr(module, "_open_read", open_read)
     if comm.rank == comm.size - 1 and comm.size > 1:
         opened.append("metadata read by rank 0")
     out = os.path.join(shared_dir, "out.h5")

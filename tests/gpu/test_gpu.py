@@ -21,7 +21,7 @@ import pytest
 import fake_cupy
 from helpers import host, install_fake_cupy
 from mpiattn import gpu
-from mpiattn.comm import Comm, circulate, transports
+from mpiattn.comm import Comm, circulate, pinned
 from mpiattn.comm import device as comm_device
 from mpiattn.kernels import fused
 from mpiattn.layouts import all_segments, split_sizes
@@ -483,7 +483,7 @@ def test_ring_step_costs_at_most_one_host_wait(fake_comm, fake, monkeypatch, tra
 
 
 def test_pinned_pool_waits_for_copies(fake):
-    pool = transports.PinnedPool(fake, keep_bytes=64)
+    pool = pinned.PinnedPool(fake, keep_bytes=64)
     a = pool.take(16)
     busy = fake.cuda.Event()
     busy._flag.clear()  # a copy still using the buffer
