@@ -4,6 +4,7 @@
 ``mpiexec``      the launcher beside this Python (the venv's), else the one on PATH
 ``run_group``    run a command in its own process group, killed whole on timeout
 ``finish_group``  wait for such a process group, killed whole on timeout
+``gone_within``  seconds until every pid of a list has ended (zombies count as ended), or None
 ``whole``        every dataset and the root attributes of an HDF5 file
 ``bad_input``    write an input file with one named defect
 ``visible_matrix``  the dense (B, N, M) visibility of causal, window, document and padding rules
@@ -53,6 +54,33 @@ def finish_group(p, timeout, what):
         out, err = p.communicate()
         pytest.fail(f"{what}:\n{out}\n{err}")
     return p.returncode, out, err
+
+
+def _running(pid):
+    """Whether ``pid`` is a live process (a zombie, which its parent has yet to reap, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def gone_within(pids, seconds):
+    """Seconds until every process of ``pids`` has ended (zombies count), or None past ``seconds``."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not any(_running(p) for p in pids):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
 
 
 def whole(path):
