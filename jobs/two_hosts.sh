@@ -143,8 +143,11 @@ cmd_up() {
             || { cmd_down; die "ip link add (veth) failed"; }
         for i in 0 1; do
             h=${HOSTS[$i]}
-            ip -n "$h" addr add "$NET.$((i + 1))/24" dev "$DEV" && ip -n "$h" link set lo up \
-                && ip -n "$h" link set "$DEV" up || { cmd_down; die "configuring $h failed"; }
+            if ! { ip -n "$h" addr add "$NET.$((i + 1))/24" dev "$DEV" && ip -n "$h" link set lo up \
+                       && ip -n "$h" link set "$DEV" up; }; then
+                cmd_down
+                die "configuring $h failed"
+            fi
         done
     fi
     set_rate "$rate"
