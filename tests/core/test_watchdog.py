@@ -12,7 +12,7 @@ import pytest
 
 from mpiattn import cli
 from mpiattn.comm.watchdog import Watchdog, peers_of
-from helpers import finish_group, gone_within, mpiexec
+from helpers import finish_group, gone_within, job_env, mpiexec
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 13, 64])
@@ -79,9 +79,7 @@ SILENT = textwrap.dedent("""
 
 def test_a_silent_rank_ends_the_job_with_one_message(serial_only, tmp_path):
     (tmp_path / "job.py").write_text(SILENT)
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONUNBUFFERED="1")
-    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
-    p = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "job.py"], cwd=tmp_path, env=env,
+    p = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "job.py"], cwd=tmp_path, env=job_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     code, out, err = finish_group(p, 120, "the job did not end after a rank fell silent")
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(2)]

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from mpiattn.io import segments
-from helpers import mpiexec
+from helpers import job_env, mpiexec
 
 
 def test_mapped_names_only_live_segment_files(tmp_path):
@@ -55,10 +55,8 @@ KILLED = textwrap.dedent("""
 @pytest.mark.parametrize("forget", [True, False])
 def test_a_killed_job_leaves_its_segment_only_when_its_name_was_kept(serial_only, tmp_path, forget):
     (tmp_path / "job.py").write_text(KILLED)
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "job.py", "forget" if forget else "keep"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0  # a rank was killed
     paths = set((tmp_path / "segments.0").read_text().split()) | set((tmp_path / "segments.1").read_text().split())
     if not paths:

@@ -26,7 +26,6 @@ The cases, and what ends the job:
 the 30 s within which the ranks must be gone.
 """
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -36,8 +35,7 @@ import time
 
 import pytest
 
-from mpiattn import cli
-from helpers import finish_group, gone_within
+from helpers import finish_group, gone_within, job_directory, job_env, sha256
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "jobs", "two_hosts.sh")
@@ -45,6 +43,8 @@ STATE = "/run/mpiattn-hosts"
 LIMIT_S = 120
 ALL_GONE_S = 30.0
 TRIES = int(os.environ.get("MPIATTN_FAULT_TRIES", "1"))
+#: This Python's directory first: the launcher runs the venv's mpiexec on host 1.
+PATH = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 JOB = textwrap.dedent("""
     import os, socket, sys, time
@@ -107,35 +107,16 @@ def cluster(serial_only):
     return _hosts()
 
 
-def _env():
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
-    return env
-
-
-def _digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 @pytest.fixture
 def job_dir(cluster, tmp_path, monkeypatch, capsys):
     """in.h5, an earlier out.h5 and the job script, in a directory both hosts see."""
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["make-data", "in.h5", "--seq", "2048", "--heads", "2", "--dim", "16",
-                     "--with-dout", "-q"]) == 0
-    assert cli.main(["run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
-                     "--no-backward"]) == 0
-    capsys.readouterr()
-    (tmp_path / "job.py").write_text(JOB)
-    return tmp_path
+    return job_directory(tmp_path, monkeypatch, capsys, JOB, seq=2048, dim=16, backward=False)
 
 
 def _start(d, phase, hold_host):
     return subprocess.Popen(["bash", CLUSTER, "mpiexec", "-per-host", "2", "-n", "4", sys.executable,
-                             "job.py", phase, hold_host], cwd=d, env=_env(), stdout=subprocess.PIPE,
+                             "job.py", phase, hold_host], cwd=d, env=job_env(PATH=PATH),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -183,7 +164,16 @@ def _clean_after(d, hosts, before):
     assert _daemons(hosts[0]) == [], "an MPI daemon outlived the job"
     assert _temporaries(d) == []
     assert _host_files(hosts) == {h: [] for h in hosts}, "a host's /dev/shm keeps files"
-    assert _digest(d / "out.h5") == before, "an output was published"
+    assert sha256(d / "out.h5") == before, "an output was published"
+
+
+def _in_a_ring_step(d, hosts):
+    """The job started, every rank past its first ring block (host 2's holding there): (p, ranks)."""
+    p = _start(d, "ring", hosts[1])
+    _wait_for(p, d, [f"at-ring.{r}" for r in range(4)])
+    ranks = _ranks(d)
+    assert {h for _, h in ranks.values()} == set(hosts)
+    return p, ranks
 
 
 def _report(case, took, code, out, err):
@@ -199,11 +189,8 @@ def _mpiattn_lines(out, err):
 
 @pytest.mark.parametrize("attempt", range(TRIES))
 def test_sigkill_of_one_hosts_ranks_during_a_ring_step(job_dir, cluster, attempt):
-    before = _digest(job_dir / "out.h5")
-    p = _start(job_dir, "ring", cluster[1])
-    _wait_for(p, job_dir, [f"at-ring.{r}" for r in range(4)])
-    ranks = _ranks(job_dir)
-    assert {h for _, h in ranks.values()} == set(cluster)
+    before = sha256(job_dir / "out.h5")
+    p, ranks = _in_a_ring_step(job_dir, cluster)
     for pid, host in ranks.values():
         if host == cluster[1]:
             os.kill(pid, signal.SIGKILL)
@@ -219,10 +206,8 @@ def test_sigkill_of_one_hosts_ranks_during_a_ring_step(job_dir, cluster, attempt
 
 @pytest.mark.parametrize("attempt", range(TRIES))
 def test_a_cut_link_during_a_ring_step_ends_every_rank(job_dir, cluster, attempt):
-    before = _digest(job_dir / "out.h5")
-    p = _start(job_dir, "ring", cluster[1])
-    _wait_for(p, job_dir, [f"at-ring.{r}" for r in range(4)])
-    ranks = _ranks(job_dir)
+    before = sha256(job_dir / "out.h5")
+    p, ranks = _in_a_ring_step(job_dir, cluster)
     try:
         assert _cluster("cut").returncode == 0
         (job_dir / "go").write_text("")  # host 2's ranks go on into a ring step that cannot end
@@ -240,7 +225,7 @@ def test_a_cut_link_during_a_ring_step_ends_every_rank(job_dir, cluster, attempt
 
 @pytest.mark.parametrize("attempt", range(TRIES))
 def test_sigterm_to_the_launcher_during_a_write_on_host2(job_dir, cluster, attempt):
-    before = _digest(job_dir / "out.h5")
+    before = sha256(job_dir / "out.h5")
     p = _start(job_dir, "write", cluster[1])
     _wait_for(p, job_dir, ["at-write.2"], temporary=True)
     ranks = _ranks(job_dir)
