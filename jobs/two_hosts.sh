@@ -117,7 +117,7 @@ cmd_down() {
         ip netns del "$h" 2>/dev/null || true   # its end of the veth pair goes with it, and so the pair
         rm -rf "/etc/netns/$h" "${STATE:?}/$h"
     done
-    rmdir "$STATE" 2>/dev/null || true
+    rmdir "$STATE" /etc/netns 2>/dev/null || true   # (only when empty: other namespaces' files stay)
 }
 
 cmd_up() {
