@@ -4,6 +4,10 @@
 ``mpiexec``      the launcher beside this Python (the venv's), else the one on PATH
 ``run_group``    run a command in its own process group, killed whole on timeout
 ``finish_group``  wait for such a process group, killed whole on timeout
+``gone_within``  seconds until every pid of a list has ended (zombies count as ended), or None
+``job_env``      the environment of an MPI job a test starts (ranks yield, one BLAS thread)
+``sha256``       a file's digest (an earlier output must stay byte for byte)
+``job_directory``  the current directory made a job's: an input, an earlier output, the script
 ``whole``        every dataset and the root attributes of an HDF5 file
 ``bad_input``    write an input file with one named defect
 ``visible_matrix``  the dense (B, N, M) visibility of causal, window, document and padding rules
@@ -53,6 +57,64 @@ def finish_group(p, timeout, what):
         out, err = p.communicate()
         pytest.fail(f"{what}:\n{out}\n{err}")
     return p.returncode, out, err
+
+
+def _running(pid):
+    """Whether ``pid`` is a live process (a zombie, which its parent has yet to reap, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def gone_within(pids, seconds):
+    """Seconds until every process of ``pids`` has ended (zombies count), or None past ``seconds``."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not any(_running(p) for p in pids):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def job_env(**extra):
+    """The environment of an MPI job a test starts: waiting MPICH ranks yield their core, one
+    BLAS thread, unbuffered output, and none of the suite's own per-rank log settings."""
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
+    return env
+
+
+def sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def job_directory(tmp_path, monkeypatch, capsys, script, *, seq, heads=2, dim=8, backward=True):
+    """``tmp_path``, made the current directory, with ``in.h5`` (``make-data``), an earlier
+    ``out.h5`` (a 1-process ``run``) and ``job.py`` holding ``script``."""
+    from mpiattn import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["make-data", "in.h5", "--seq", str(seq), "--heads", str(heads), "--dim", str(dim),
+                     "--with-dout", "-q"]) == 0
+    assert cli.main(["run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
+                     *([] if backward else ["--no-backward"])]) == 0
+    capsys.readouterr()
+    (tmp_path / "job.py").write_text(script)
+    return tmp_path
 
 
 def whole(path):

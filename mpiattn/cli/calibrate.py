@@ -7,13 +7,12 @@ Run it with the ranks, nodes and devices of the jobs to plan (collective)::
 It measures, with every rank placed as the job places them
 (:class:`~mpiattn.comm.topology.Topology`):
 
-* each link class (inside a node, between nodes): a ping-pong of one small
-  message (latency: half the round trip) and of ``--megabytes`` (bandwidth),
-  then an all-to-all of that size per destination among all the ranks of a
-  node at once (inside) or among one rank of every node at once, on every
-  node together (between). The bandwidth kept is the all-to-all's, where it
-  is lower (links shared by concurrent transfers, as a ring's and an
-  all-to-all's are);
+* each link class (inside a node, between nodes), each on its own: a
+  ping-pong of 8 bytes (latency: half the best round trip) and of
+  ``--megabytes`` (bandwidth) between one pair of ranks while every other
+  rank waits without taking a core; then the bytes per second node 0 sends
+  to node 1 with all its ranks at once, which the cost model shares among
+  the ranks that send between nodes together (:mod:`mpiattn.cli.links`);
 * the attention rate of one rank per dtype, forward and backward, with every
   rank computing at once (so that a shared node's contention is in the
   number), on ``--rows`` query and key rows of ``--heads`` heads of ``--dim``;
@@ -21,10 +20,11 @@ It measures, with every rank placed as the job places them
   and the bandwidth at which a rank reads it while every rank does (what
   bounds a decode step).
 
-A link class the allocation lacks (``between`` on one node) and the
-overlap of transfers with compute come from the device's profile
-(:data:`mpiattn.strategies.machines.PROFILES`), as the file's ``sources``
-say. The file is what ``machine=``, ``--machine`` and ``$MPIATTN_MACHINE``
+A link class the allocation lacks (``between`` on one node, ``inside``
+with one rank per node) and the overlap of transfers with compute come from
+the device's profile (:data:`mpiattn.strategies.machines.PROFILES`); the
+node's bandwidth, where it cannot be measured, is left unknown (0); the
+file's ``sources`` say which figure is measured and which is not. The file is what ``machine=``, ``--machine`` and ``$MPIATTN_MACHINE``
 take, and ``plan --calibration``.
 """
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from ..strategies import machines
 from ..strategies.machines import Link, Machine
+from .links import measure_links
 
 __all__ = ["add_arguments", "cmd_calibrate"]
 
@@ -64,64 +65,6 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="measure NumPy ranks (cpu) or CuPy ranks, one GPU each (gpu)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
-
-
-# ----------------------------------------------------------------- links
-def _pingpong(c: Any, xp: Any, a: int, b: int, nbytes: int, repeat: int) -> float:
-    """Seconds of one message of ``nbytes`` from ``a`` to ``b`` (half the best round trip);
-    every rank calls, only ``a`` and ``b`` send."""
-    buf = xp.zeros(max(nbytes, 1), dtype=np.uint8)
-    best = math.inf
-    for _ in range(repeat + 1):  # the first round trip sets up the connection: not kept
-        c.barrier()
-        t = time.perf_counter()
-        if c.rank == a:
-            c.isend(buf, b, 7).wait()
-            c.irecv(buf, b, 8).wait()
-        elif c.rank == b:
-            c.irecv(buf, a, 7).wait()
-            c.isend(buf, a, 8).wait()
-        best = min(best, (time.perf_counter() - t) / 2)
-    return float(c.bcast_obj(best, root=a))
-
-
-def _alltoall(c: Any, g: Any, xp: Any, nbytes: int, repeat: int) -> float:
-    """Seconds of an all-to-all of ``nbytes`` per destination inside sub-communicator ``g``
-    (every group at once; the slowest group's best)."""
-    send = xp.zeros((g.size, max(nbytes, 1)), dtype=np.uint8)
-    best = math.inf
-    for _ in range(repeat + 1):
-        c.barrier()
-        t = time.perf_counter()
-        g.alltoallv_rows(send, [1] * g.size, [1] * g.size)
-        c.barrier()
-        best = min(best, time.perf_counter() - t)
-    return float(max(c.allgather_obj(best)))
-
-
-def _link(c: Any, xp: Any, pair: tuple[int, int], group: Any, nbytes: int, repeat: int) -> tuple[Link, dict]:
-    """A link class measured between ``pair`` and inside the sub-communicators ``group``."""
-    small = _pingpong(c, xp, *pair, 8, 10 * repeat)
-    large = _pingpong(c, xp, *pair, nbytes, repeat)
-    bw_pp = nbytes / max(large - small, 1e-9)
-    a2a = _alltoall(c, group, xp, nbytes, repeat)
-    peers = c.bcast_obj(group.size - 1 if c.rank == pair[0] else None, root=pair[0])
-    bw_a2a = peers * nbytes / max(a2a - peers * small, 1e-9) if peers else math.inf
-    detail = {"latency_s": small, "pingpong_bandwidth": bw_pp, "alltoall_bandwidth": bw_a2a,
-              "alltoall_peers": peers, "message_bytes": nbytes}
-    return Link(small, min(bw_pp, bw_a2a)), detail
-
-
-def _groups(c: Any) -> tuple[Any, Any, tuple | None, tuple | None]:
-    """This rank's node group and cross-node group, and the inside and between ping-pong pairs."""
-    topo = c.topology
-    me = topo.node_of(c.rank)
-    local = topo.local_rank(c.rank)
-    node_group = c.split(topo.nodes[me])
-    cross_group = c.split([n[local] for n in topo.nodes if local < len(n)])
-    inside = next(((n[0], n[1]) for n in topo.nodes if len(n) > 1), None)
-    between = (topo.nodes[0][0], topo.nodes[1][0]) if topo.n_nodes > 1 else None
-    return node_group, cross_group, inside, between
 
 
 # ----------------------------------------------------------------- compute
@@ -183,18 +126,18 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
     """The machine of this allocation (collective on ``c``; the same on every rank)."""
     profile = machines.PROFILES[machines.DEFAULT_FOR_DEVICE["numpy" if xp is np else "cupy"]]
     nbytes = args.megabytes * 2**20
-    node_group, cross_group, inside_pair, between_pair = _groups(c)
     sources = {"topology": f"{c.topology.describe()}: {c.topology.nodes}",
                "measured": time.strftime("%Y-%m-%dT%H:%M:%S") + f" by mpiattn calibrate on {c.size} rank(s)"}
+    measured, node_bandwidth, link_sources = measure_links(c, xp, nbytes, args.repeat, say)
     links = {}
-    for cls, pair, group in (("inside", inside_pair, node_group), ("between", between_pair, cross_group)):
-        if pair is None:
+    for cls in ("inside", "between"):
+        if measured[cls] is None:
             links[cls] = getattr(profile, cls)
-            sources[cls] = f"not measured (this allocation has no such pair of ranks): profile {profile.name}'s"
-            continue
-        say(f"  measuring the link {cls} a node: ranks {pair[0]} and {pair[1]}, then all-to-alls")
-        links[cls], detail = _link(c, xp, pair, group, nbytes, args.repeat)
-        sources[cls] = "measured: " + ", ".join(f"{k} {v:.4g}" for k, v in detail.items())
+            sources[cls] = f"{link_sources[cls]}: profile {profile.name}'s"
+        else:
+            links[cls] = Link(*measured[cls])
+            sources[cls] = link_sources[cls]
+    sources["node_bandwidth"] = link_sources["node"] + ("" if node_bandwidth else ": unknown (0)")
     say(f"  measuring the attention rate per dtype ({args.rows} rows, {args.heads} heads of {args.dim})")
     rates, ratio, detail = _rates(c, xp, args)
     rates.setdefault("bfloat16", rates["float16"])
@@ -213,7 +156,8 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
                                    "once, the slowest rank's best")
     name = args.name or c.bcast_obj(socket.gethostname())
     return Machine(name, links["inside"], links["between"], rates, ratio, profile.overlap,
-                   _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources)
+                   _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources,
+                   node_bandwidth=node_bandwidth or 0.0)
 
 
 def _needs(c: Any, xp: Any, args: Any) -> None:
@@ -258,6 +202,8 @@ def cmd_calibrate(args: Any, con: Any) -> int:
     io.write_atomically(c, args.output, write, force=args.force, outputs=con.outputs)
     con.say(f"  wrote {args.output}: inside {machine.inside.latency_s * 1e6:.1f} us, "
             f"{machine.inside.bandwidth / 1e9:.2f} GB/s; between {machine.between.latency_s * 1e6:.1f} us, "
-            f"{machine.between.bandwidth / 1e9:.2f} GB/s; float32 {machine.rates['float32'] / 1e9:.1f} "
+            f"{machine.between.bandwidth / 1e9:.2f} GB/s"
+            + (f" (a node: {machine.node_bandwidth / 1e9:.2f} GB/s)" if machine.node_bandwidth else "")
+            + f"; float32 {machine.rates['float32'] / 1e9:.1f} "
             "GFLOP/s per rank")
     return 0

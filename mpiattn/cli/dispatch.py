@@ -26,13 +26,14 @@ write they may crash).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 from ..comm.errors import Agreed
 from ..comm.node import OversubscriptionWarning
@@ -120,14 +121,18 @@ def _main(args: Any, con: Console) -> int:
             if args.command in _WORKING:
                 from .steps import world_comm
 
+                from ..io.segments import forget_names
+
+                forget_names(world_comm())  # a job killed from now on leaves no MPI segment file
                 threads = resources.configure_threads(world_comm().node, getattr(args, "threads", None))
                 args.threads_info = threads
                 if threads.source == resources.REQUESTED:  # the user chose: no advice against it
                     warnings.simplefilter("ignore", OversubscriptionWarning)
-            return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
-                    "info": cmd_info, "clean": cmd_clean, "plan": cmd_plan,
-                    "calibrate": cmd_calibrate, "prefill": cmd_prefill,
-                    "decode": cmd_decode}[args.command](args, con)
+            with _watching(args):
+                return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
+                        "info": cmd_info, "clean": cmd_clean, "plan": cmd_plan,
+                        "calibrate": cmd_calibrate, "prefill": cmd_prefill,
+                        "decode": cmd_decode}[args.command](args, con)
     except UsageError as exc:
         con.error(str(exc))
         return 2
@@ -139,6 +144,31 @@ def _main(args: Any, con: Console) -> int:
     finally:
         if threads is not None:
             threads.restore()
+
+
+@contextlib.contextmanager
+def _watching(args: Any) -> Iterator[None]:
+    """The command under a :class:`mpiattn.comm.watchdog.Watchdog` when ``--watchdog`` asks.
+
+    It stops (collectively) when the command returns or raises an error every
+    rank raises; after any other error it keeps watching until the abort that
+    follows ends the job (stopping would wait for peers blocked in MPI).
+    """
+    seconds = getattr(args, "watchdog", None)
+    if not seconds:
+        yield
+        return
+    from ..comm.watchdog import Watchdog
+    from .steps import world_comm
+
+    dog = Watchdog(world_comm(), seconds).start()
+    try:
+        yield
+    except BaseException as exc:
+        if isinstance(exc, Agreed):
+            dog.stop()
+        raise
+    dog.stop()
 
 
 def _leave(code: int, guard: signals.Guard | None) -> None:

@@ -134,7 +134,14 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None,
                    help="how device buffers cross ranks (sets MPIATTN_GPU_TRANSPORT)")
     _add_threads_option(p)
+    _add_watchdog_option(p)
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
+
+
+def _add_watchdog_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watchdog", type=_positive_float, default=None, metavar="SECONDS",
+                   help="end the job when a rank has heard nothing from another for this long "
+                        "(a lost host or a cut network; mpiattn.comm.watchdog). Default: off")
 
 
 def _add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -218,6 +225,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
     mk.add_argument("--seed", type=_seed, default=0)
     mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
+    _add_watchdog_option(mk)
     mk.add_argument("--quiet", "-q", action="store_true")
 
     info = sub.add_parser("info", help="versions, ranks, hosts, threads, GPUs, CUDA-aware MPI, "

@@ -21,7 +21,9 @@
 ``checkpoint``
     replicated parameters (layer weights);
 ``datagen``
-    synthetic inputs, identical for a seed whatever the rank count.
+    synthetic inputs, identical for a seed whatever the rank count;
+``segments``
+    MPI's shared-memory segment files, unnamed once mapped (a killed job leaves none).
 """
 
 from __future__ import annotations

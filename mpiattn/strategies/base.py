@@ -60,6 +60,11 @@ class Phase:
         The transfers can hide behind the pass's compute (a ring's do).
     steps : int
         Of a ring: its steps, each hiding behind one block's compute.
+    sharing : int
+        The ranks of one node (the most on any node) that send between nodes
+        at once in this phase, each about as much as the busiest rank: they
+        share their node's link to the others
+        (:attr:`~mpiattn.strategies.machines.Machine.node_bandwidth`).
     """
 
     inside: float = 0.0
@@ -67,27 +72,47 @@ class Phase:
     messages: int = 0
     overlap: bool = False
     steps: int = 0
+    sharing: int = 1
+
+
+def _sharing(topology: Any, senders: Sequence[int]) -> int:
+    """The most ranks of one node among ``senders`` (ranks sending between nodes at once), at least 1."""
+    per_node: dict[int, int] = {}
+    for rank in set(senders):
+        node = topology.node_of(rank)
+        per_node[node] = per_node.get(node, 0) + 1
+    return max(per_node.values(), default=1)
 
 
 def ring_phase(topology: Any, ring: Sequence[int], step_bytes: float, steps: int,
-               pieces: int = 1) -> Phase:
+               pieces: int = 1, rings: Sequence[Sequence[int]] | None = None) -> Phase:
     """``steps`` ring steps of ``step_bytes`` each over the ranks ``ring`` (in ring order).
 
     A step is as slow as its slowest edge: if any edge joins two nodes, the
-    busiest rank is one that sends every step between nodes.
+    busiest rank is one that sends every step between nodes. ``rings``: all
+    the rings that run at once (``ring`` among them; default ``ring`` alone),
+    whose ranks at a node's edge share its link.
     """
     if steps <= 0 or step_bytes <= 0:
         return Phase(overlap=True)
-    crosses = any(not topology.same_node(a, b) for a, b in zip(ring, [*ring[1:], ring[0]]))
+
+    def edges(rg: Sequence[int]) -> list[tuple[int, int]]:
+        return list(zip(rg, [*rg[1:], rg[0]])) if len(rg) > 1 else []
+
+    crosses = any(not topology.same_node(a, b) for a, b in edges(ring))
+    senders = [a for rg in (rings or [ring]) for a, b in edges(rg) if not topology.same_node(a, b)]
     total = step_bytes * steps
-    return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True, steps)
+    return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True, steps,
+                 _sharing(topology, senders))
 
 
 def spread_phase(topology: Any, group: Sequence[int], bytes_per_dest: float,
-                 messages: int) -> Phase:
+                 messages: int, groups: Sequence[Sequence[int]] | None = None) -> Phase:
     """A collective in which each rank of ``group`` sends ``bytes_per_dest`` to every other.
 
     The busiest rank is the one with the most group members on other nodes.
+    ``groups``: all the groups doing it at once (``group`` among them; default
+    ``group`` alone), whose ranks with members elsewhere share their node's link.
     """
     worst = (0, 0)
     for a in group:
@@ -95,7 +120,10 @@ def spread_phase(topology: Any, group: Sequence[int], bytes_per_dest: float,
         away = len(group) - 1 - here
         worst = max(worst, (away, here))
     away, here = worst
-    return Phase(here * bytes_per_dest, away * bytes_per_dest, messages, False)
+    senders = [a for g in (groups or [group]) for a in g
+               if any(not topology.same_node(a, b) for b in g)]
+    return Phase(here * bytes_per_dest, away * bytes_per_dest, messages, False,
+                 sharing=_sharing(topology, senders))
 
 
 def sends_out(spec: Any) -> int:

@@ -18,7 +18,8 @@ dtype): ``(P-1-R) m W`` inside and ``R m W`` between (their last move, home,
 crosses a node). Memory as the ring's.
 
 Each between-node move hides behind one block's compute, like every ring
-step. Sending the next node's block a whole inner round ahead would hide
+step; every rank of a node makes it at the same step, so they share the
+node's link. Sending the next node's block a whole inner round ahead would hide
 it behind ``w`` blocks instead; that needs each block forwarded to two ranks
 and each node's partial ``dK, dV`` summed at home, and the cost model finds
 a gain only when one between-node move takes longer than a block's compute
@@ -74,7 +75,7 @@ class DoubleRing(BlockedStrategy):
         n_in = P - 1 - out_data
         return [p for p in (Phase(inside=inside, messages=n_in * pieces, overlap=True, steps=n_in),
                             Phase(between=between, messages=out_data * pieces, overlap=True,
-                                  steps=out_data)) if p.steps > 0]
+                                  steps=out_data, sharing=topology.sizes[0])) if p.steps > 0]
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         return blocked_memory(spec, P, block, backward)

@@ -147,13 +147,14 @@ class Hybrid(Strategy):
         else:  # q, k, v, dout, out (an engine that needs it), lse, D in; dq, dk, dv back
             per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
                         + kv_dest * (s + a))
-        a2a = max((spread_phase(topology, grp, per_dest, ((8 + sends_out(spec)) if backward else 5) * (u - 1))
+        a2a = max((spread_phase(topology, grp, per_dest, ((8 + sends_out(spec)) if backward else 5) * (u - 1),
+                                groups)
                    for grp in groups), key=lambda p: (p.between, p.inside)) if u > 1 else None
         step = u * m * spec.B * hkv * (spec.E + spec.Ev) * s
         if backward:
             step += u * m * spec.B * hkv * (spec.E + spec.Ev) * a
         pieces = max(1, -(-int(u * m) // max(block, 1)))
-        ring = max((ring_phase(topology, rg, step, r - 1, pieces) for rg in rings),
+        ring = max((ring_phase(topology, rg, step, r - 1, pieces, rings) for rg in rings),
                    key=lambda p: (p.between, p.inside))
         return [p for p in (a2a, ring) if p is not None]
 

@@ -1,7 +1,9 @@
 """What the cost model knows of a machine: its links and its compute rates, named or calibrated.
 
 A :class:`Machine` has an alpha-beta :class:`Link` for each link class
-(``inside`` a node, ``between`` nodes), a compute rate for attention per
+(``inside`` a node, ``between`` nodes: what one rank gets alone), the
+bandwidth a whole node sends to the others with all its ranks at once
+(``node_bandwidth``, where they share a network link), a compute rate for attention per
 dtype (FLOP/s of one rank, forward; the backward runs at
 ``backward_ratio`` of it), and how much of a ring's transfer can hide behind
 compute (``overlap``). Named profiles (:data:`PROFILES`) give documented
@@ -76,6 +78,11 @@ class Machine:
         (what bounds a decode step; 0: unknown, compute alone).
     sources : dict of str to str
         Where each number comes from.
+    node_bandwidth : float
+        Bytes per second one node sends to other nodes with all its ranks
+        sending at once (0: unknown, each rank as fast as ``between`` alone).
+        Ranks that send between nodes in the same phase share it
+        (:attr:`mpiattn.strategies.base.Phase.sharing`).
     """
 
     name: str
@@ -87,6 +94,7 @@ class Machine:
     memory: float = 0.0
     memory_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
+    node_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.rates:
@@ -97,6 +105,7 @@ class Machine:
         _check("overlap", self.overlap, low=0.0, high=1.0)
         _check("memory", self.memory, low=0.0)
         _check("memory_bandwidth", self.memory_bandwidth, low=0.0)
+        _check("node_bandwidth", self.node_bandwidth, low=0.0)
 
     def fits(self, nbytes: float) -> bool:
         """Whether ``nbytes`` per rank fit (always, when the memory is unknown)."""
@@ -121,7 +130,8 @@ class Machine:
                        backward_ratio=float(d.get("backward_ratio", 0.8)),
                        overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
                        memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
-                       sources=dict(d.get("sources", {})))
+                       sources=dict(d.get("sources", {})),
+                       node_bandwidth=float(d.get("node_bandwidth", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a machine description: {exc}") from None
 

@@ -5,7 +5,8 @@ For a call (:class:`~mpiattn.strategies.spec.AttentionSpec`), a topology
 (:class:`~mpiattn.strategies.machines.Machine`)::
 
     compute  = FLOPs x (the busiest rank's share of the visible pairs) / rate
-    phase    = messages x latency + max(inside / bw_inside, between / bw_between)
+    phase    = messages x latency + max(inside / bw_inside, between / bw_between')
+               bw_between' = min(bw_between, node_bandwidth / sharing)
     pass     = compute + the phases that cannot overlap
                + for each ring step: max(its transfer - overlap x one block's compute,
                                          (1 - overlap) x its transfer)
@@ -14,7 +15,9 @@ with FLOPs ``2 B H (E + Ev)`` per visible (query, key) pair forward and 2.5
 times that backward (five GEMMs against two), the backward's rate
 ``backward_ratio`` times the forward's, and the phases those the strategy
 declares (:meth:`~mpiattn.strategies.base.Strategy.traffic`, the busiest
-rank's bytes per link class). Visible pairs count the causal and window
+rank's bytes per link class, and how many ranks of a node send between
+nodes at once: they share the node's link, where the machine knows its
+``node_bandwidth``). Visible pairs count the causal and window
 rules; documents and padding are not counted (the model then overestimates
 the compute, alike for every strategy). ``auto`` takes the candidate with the
 smallest predicted forward+backward time among those whose memory per rank
@@ -90,8 +93,10 @@ def row_pairs(spec: Any) -> np.ndarray:
 
 def _phase_time(p: Phase, machine: Machine) -> float:
     link = machine.between if p.between > 0 else machine.inside
-    return (p.messages * link.latency_s
-            + max(p.inside / machine.inside.bandwidth, p.between / machine.between.bandwidth))
+    between = machine.between.bandwidth
+    if machine.node_bandwidth > 0:  # the node's ranks sending at once share its link
+        between = min(between, machine.node_bandwidth / max(p.sharing, 1))
+    return p.messages * link.latency_s + max(p.inside / machine.inside.bandwidth, p.between / between)
 
 
 def _pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:

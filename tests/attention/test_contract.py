@@ -11,7 +11,11 @@ FlashAttention's rule: the error of each output is at most 2x (float64) or 3x
 step of the output (``lse``: of float32 at least, its dtype for float16 inputs); for
 ``dq`` and ``dk`` also
 one rounding step of ``D = rowsum(dout * out)``, which the plain baseline does not form
-and which shows where a row's softmax is one-hot (e.g. ``window=(0, 0)``).
+and which shows where a row's softmax is one-hot (e.g. ``window=(0, 0)``); for ``dk`` and
+``dv`` also one rounding step of the accumulation dtype per rank their partial sums pass
+through (``P - 1``: the ring's travelling accumulators, the gathers' reductions; seen on two
+real hosts, 2 x 2 ranks in blocks, float64 ``dv`` of the double ring 6 steps off where the
+rule without them allowed 5.2).
 
 The matrix: dtypes (bfloat16 as ``ml_dtypes.bfloat16`` arrays: the inputs rounded to
 bfloat16, the reference computed from those rounded values in float64), masks (causal, windows, documents, padding, fully masked rows),
@@ -261,9 +265,10 @@ def _allowances(Q, K, V, dO, vis, lse):
             "dk": s * top(fold((P * d_row).swapaxes(-1, -2) @ np.abs(Q)))}
 
 
-def _check(case, got, ref, base, Q, K, V, dO, vis):
+def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0):
     """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
-    largest magnitude (``lse``, ``D``: :func:`_allowances`)."""
+    largest magnitude (``lse``, ``D``: :func:`_allowances`); ``hops`` more steps of the
+    accumulation dtype for ``dk`` and ``dv`` (summed on that many more ranks)."""
     dt = _dtype(case.dtype)
     factor = 2.0 if dt == np.float64 else 3.0
     eps = _eps(dt)
@@ -287,6 +292,8 @@ def _check(case, got, ref, base, Q, K, V, dO, vis):
         base_err = float(np.abs(b - r).max(initial=0.0))
         step = eps * float(np.abs(r).max(initial=0.0))
         d_step = eps_acc * extra.get(name, 0.0) if name in ("dq", "dk") else 0.0
+        if name in ("dk", "dv"):
+            d_step += hops * eps_acc * float(np.abs(r).max(initial=0.0))
         assert err <= factor * base_err + step + d_step, (
             f"{name}: error {err:.3g} > {factor:g} x baseline {base_err:.3g} + rounding {step:.3g}"
             f" + D step {d_step:.3g}")
@@ -340,7 +347,7 @@ def test_contract(comm, xp, strategy, engine, case):
     gq = lambda x, axis=-2: host(mpiattn.gather(x, axis=axis, layout=lay, root=None))  # noqa: E731
     gk = lambda x: host(mpiattn.gather(x, layout=kl, root=None))  # noqa: E731
     got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]))
-    _check(case, got, ref, base, Q, K, V, dO, vis[:, None])
+    _check(case, got, ref, base, Q, K, V, dO, vis[:, None], hops=P - 1)
 
 
 def test_the_suite_covers_every_registered_strategy_and_engine():
