@@ -84,7 +84,7 @@ def plan(opts: Options, ranks: int) -> list[Task]:
 def fused_step(timer: Timer, H: int, block: int, dtype: str = "float32") -> dict:
     """The fused forward tile kernel against its array-code twin on an ``(H, block, block)`` tile.
 
-    Both run with ``MPIATTN_FUSED_KERNELS`` irrelevant (they are called directly); the kernel
+    Both are called directly (whatever engine a call would use); the kernel
     is compiled first (NVRTC, cached on disk by CuPy), outside the timing.
     """
     from ..kernels import fused as fk

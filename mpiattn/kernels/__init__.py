@@ -4,9 +4,11 @@
     what an engine is: the interface and its declared capabilities;
 ``native``
     mpiattn's own blocked kernels on NumPy or CuPy (the math);
+``call``
+    what an engine is told of a pass (one object);
 ``native_engine``, ``torch_engine``
-    the engines (``torch_ops``: torch's kernels on one block; ``fused``:
-    fused CuPy kernels for the native forward, opt-in);
+    the engines: native, fused (the native engine with the fused CuPy
+    kernels of ``fused``), torch (``torch_ops``: torch's kernels on one block);
 ``engines``
     the registry and the ``auto`` rule;
 ``reference``

@@ -3,9 +3,9 @@
 On a GPU each line of array code is a kernel that reads (and often writes)
 the whole score tile. The native engine's device path
 (:mod:`mpiattn.kernels.native_cuda`) runs a tile as GEMMs through
-:func:`mpiattn.gemm.matmul` and, with the fused kernels on
-(``MPIATTN_FUSED_KERNELS=1``, read once per call and agreed by every rank),
-one kernel for everything in between:
+:func:`mpiattn.gemm.matmul` and, in the ``fused`` engine
+(:class:`mpiattn.kernels.native_engine.FusedEngine`, chosen by name), one
+kernel for everything in between:
 
 forward, per tile: 3 launches::
 
@@ -20,8 +20,8 @@ backward, per tile: 6 launches::
     dV += P^T dO;  dQ += scale dS K;  dK += scale dS^T Q   (3 GEMMs, beta = 1)
 
 Each kernel has an array-code twin in :data:`generic` with the same
-arguments and arithmetic: the device path's generic branch (no
-``MPIATTN_FUSED_KERNELS``) runs them, and the tests compare the two.
+arguments and arithmetic: the device path's generic branch (the ``native``
+engine) runs them, and the tests compare the two.
 Kernels are compiled with NVRTC on first use (CuPy caches them on disk:
 ``CUPY_CACHE_DIR``); they are opt-in until a GPU run of
 ``jobs/gpu_check.sh`` has compared them with the generic code.

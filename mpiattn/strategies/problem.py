@@ -11,8 +11,6 @@ sizes, and the gathered document ids.
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +24,7 @@ from ..kernels import DEFAULT_TILE, engines
 from ..kernels.call import KernelCall
 from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
-from ..masks import MaskSpec, QuerySide, diagonal
+from ..masks import QuerySide, diagonal
 from ..masks.ids import global_rows, local_ids
 from . import machines, registry
 from .base import Strategy
