@@ -218,15 +218,18 @@ def test_a_signal_at_each_step(job_dir, command, ranks, where, when, who, whom, 
 # (command, where, when, who fires, the rank whose handler is held back, seconds, signal, too
 # late): DEFER_S is 2 s in the job: 1 s lets rank 0 answer late but in time, 3 s makes the other
 # rank give up waiting and speak alone. Adopt runs on rank 1 only, publish on rank 0 only.
+# Each step with both signals with rank 0 held past DEFER_S, and one signal each for the shorter
+# holds; decode --append (two files at one commit point) with rank 0 held only.
+_HOLDS = {"run": ((0, 3.0, signal.SIGINT), (0, 3.0, signal.SIGTERM), (1, 1.0, signal.SIGTERM),
+                  (0, 1.0, signal.SIGINT)),
+          "decode": ((0, 3.0, signal.SIGINT), (0, 1.0, signal.SIGTERM))}
 HELD = [(cmd, where, when, who, held, seconds, sig, late)
         for cmd in ("run", "decode")
         for where, when, who, late in ((R + "adopt", "after", 1, False),
                                        (R + "vote", "after", 0, False),
                                        (R + "vote", "before", 1, False),
                                        (R + "publish", "before", 0, True))
-        for held, seconds in ((0, 3.0), (1, 1.0), (0, 1.0))
-        for sig in (signal.SIGINT, signal.SIGTERM)
-        if (cmd == "run" or held == 0)]
+        for held, seconds, sig in _HOLDS[cmd]]
 
 
 @pytest.mark.parametrize("command,where,when,who,held,seconds,sig,late", HELD,
