@@ -166,6 +166,17 @@ def bad_input(kind, path):
                 f[name] = x
 
 
+def write_h5(comm, path, **arrays):
+    """Rank 0 writes the datasets ``arrays`` to a new HDF5 file ``path``; every rank waits for it."""
+    import h5py
+
+    if comm.rank == 0:
+        with h5py.File(path, "w") as f:
+            for name, x in arrays.items():
+                f[name] = x
+    comm.barrier()
+
+
 def run_cli(comm, capsys, *argv):
     """``mpiattn.cli.main(argv)`` on every rank: ``(code, rank 0's stdout, rank 0's stderr)``
     (rank 0's text on every rank).

@@ -10,8 +10,7 @@ BLAS threads), ``steps`` (device, compute, write, check), ``commands``,
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_getattr
 
 # public name -> submodule (imported on first use: ``mpiattn.cli.startup`` must stay light, it
 # runs before the heavy imports)
@@ -21,10 +20,4 @@ _EXPORTS = {"main": "dispatch", "build_parser": "parser", "EXAMPLE_OUTPUT": "com
 __all__ = ["main", "build_parser", "EXAMPLE_OUTPUT", "EXAMPLE_ATTR", "UsageError"]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'mpiattn.cli' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

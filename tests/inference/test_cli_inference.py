@@ -2,18 +2,9 @@
 
 import os
 
-import h5py
 import numpy as np
 
-from helpers import reference, run_cli as run, whole
-
-
-def _write(comm, path, **arrays):
-    if comm.rank == 0:
-        with h5py.File(path, "w") as f:
-            for name, x in arrays.items():
-                f[name] = x
-    comm.barrier()
+from helpers import reference, run_cli as run, whole, write_h5
 
 
 def test_prefill_then_decode_with_appends_equals_full_attention(comm, capsys, shared_dir):
@@ -23,7 +14,7 @@ def test_prefill_then_decode_with_appends_equals_full_attention(comm, capsys, sh
     K = rng.standard_normal((1, 2, L, 8)).astype(np.float32)
     V = rng.standard_normal((1, 2, L, 6)).astype(np.float32)
     inp, cache = os.path.join(shared_dir, "prompt.h5"), os.path.join(shared_dir, "cache.h5")
-    _write(comm, inp, q=Q[:, :, :n0], k=K[:, :, :n0], v=V[:, :, :n0])
+    write_h5(comm, inp, q=Q[:, :, :n0], k=K[:, :, :n0], v=V[:, :, :n0])
     code, text, err = run(comm, capsys, "prefill", inp, "-o", cache, "--page", 3, "--window", "20,0",
                           "--layout", "zigzag", "-q")
     assert code == 0, err
@@ -35,7 +26,7 @@ def test_prefill_then_decode_with_appends_equals_full_attention(comm, capsys, sh
     pos = n0
     for t in (2, 1, 5):
         qf, out = os.path.join(shared_dir, f"q{pos}.h5"), os.path.join(shared_dir, f"out{pos}.h5")
-        _write(comm, qf, q=Q[:, :, pos:pos + t], k=K[:, :, pos:pos + t], v=V[:, :, pos:pos + t])
+        write_h5(comm, qf, q=Q[:, :, pos:pos + t], k=K[:, :, pos:pos + t], v=V[:, :, pos:pos + t])
         code, text, err = run(comm, capsys, "decode", cache, "--queries", qf, "-o", out, "--append")
         assert code == 0, err
         got, oattrs = whole(out)
@@ -55,16 +46,16 @@ def test_decode_errors_leave_every_file_as_it_was(comm, capsys, shared_dir):
     Q = rng.standard_normal((1, 2, 20, 4)).astype(np.float32)
     K = rng.standard_normal((1, 1, 20, 4)).astype(np.float32)
     inp, cache = os.path.join(shared_dir, "p.h5"), os.path.join(shared_dir, "c.h5")
-    _write(comm, inp, q=Q, k=K, v=K)
+    write_h5(comm, inp, q=Q, k=K, v=K)
     assert run(comm, capsys, "prefill", inp, "-o", cache, "-q")[0] == 0
     before = open(cache, "rb").read() if comm.rank == 0 else None
     bad, out = os.path.join(shared_dir, "bad.h5"), os.path.join(shared_dir, "out.h5")
-    _write(comm, bad, q=np.zeros((1, 2, 1, 5), np.float32), k=K[:, :, :1], v=K[:, :, :1])
+    write_h5(comm, bad, q=np.zeros((1, 2, 1, 5), np.float32), k=K[:, :, :1], v=K[:, :, :1])
     code, _, err = run(comm, capsys, "decode", cache, "--queries", bad, "-o", out, "--append")
     assert code == 1
     if comm.rank == 0:
         assert "E = 5" in err and "error:" in err
-    _write(comm, bad, q=Q[:, :, -1:], k=K[:, :, :1].astype(np.float64), v=K[:, :, :1].astype(np.float64))
+    write_h5(comm, bad, q=Q[:, :, -1:], k=K[:, :, :1].astype(np.float64), v=K[:, :, :1].astype(np.float64))
     code, _, err = run(comm, capsys, "decode", cache, "--queries", bad, "-o", out, "--append")
     assert code == 1
     if comm.rank == 0:

@@ -10,15 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import run_cli as run, whole
-
-
-def _write(comm, path, **arrays):
-    if comm.rank == 0:
-        with h5py.File(path, "w") as f:
-            for name, x in arrays.items():
-                f[name] = x
-    comm.barrier()
+from helpers import run_cli as run, whole, write_h5
 
 
 def _bytes(comm, path):
@@ -32,8 +24,8 @@ def cache(comm, capsys, shared_dir):
     q = rng.standard_normal((1, 2, 13, 4)).astype(np.float32)
     k = rng.standard_normal((1, 1, 13, 4)).astype(np.float32)
     prompt, path = os.path.join(shared_dir, "p.h5"), os.path.join(shared_dir, "cache.h5")
-    _write(comm, prompt, q=q[:, :, :12], k=k[:, :, :12], v=k[:, :, :12])
-    _write(comm, os.path.join(shared_dir, "new.h5"), q=q[:, :, 12:], k=k[:, :, 12:],
+    write_h5(comm, prompt, q=q[:, :, :12], k=k[:, :, :12], v=k[:, :, :12])
+    write_h5(comm, os.path.join(shared_dir, "new.h5"), q=q[:, :, 12:], k=k[:, :, 12:],
            v=k[:, :, 12:])
     assert run(comm, capsys, "prefill", prompt, "-o", path, "-q")[0] == 0
     return path
@@ -91,7 +83,7 @@ def test_a_cache_replaced_meanwhile_is_not_overwritten(comm, capsys, shared_dir,
 
 def test_queries_and_new_rows_must_be_the_same_tokens(comm, capsys, shared_dir, cache):
     rng = np.random.default_rng(4)
-    _write(comm, os.path.join(shared_dir, "new.h5"),
+    write_h5(comm, os.path.join(shared_dir, "new.h5"),
            q=rng.standard_normal((1, 2, 2, 4)).astype(np.float32),
            k=rng.standard_normal((1, 1, 3, 4)).astype(np.float32),
            v=rng.standard_normal((1, 1, 3, 4)).astype(np.float32))
@@ -104,7 +96,7 @@ def test_nan_in_the_new_rows_or_the_cache_is_refused_unless_allowed(comm, capsys
     rng = np.random.default_rng(5)
     k = rng.standard_normal((1, 1, 1, 4)).astype(np.float32)
     k[0, 0, 0, 1] = np.nan
-    _write(comm, os.path.join(shared_dir, "new.h5"),
+    write_h5(comm, os.path.join(shared_dir, "new.h5"),
            q=rng.standard_normal((1, 2, 1, 4)).astype(np.float32), k=k, v=k)
     code, _, err = _decode(comm, capsys, shared_dir)
     assert code == 1 and "k_new holds NaN or Inf" in err and "--allow-nonfinite" in err, err

@@ -51,6 +51,39 @@ def test_an_output_that_appears_while_writing_is_never_replaced(comm, shared_dir
     assert sorted(os.listdir(shared_dir)) == ["out.h5"]
 
 
+def _writers(target, n, text):
+    """``n`` temporaries beside ``target``, writer ``i``'s data ``text.format(i)``."""
+    tmps = []
+    for i in range(n):
+        tmp = Temporary.reserve(target)
+        with open(tmp.data, "wb") as f:
+            f.write(text.format(i).encode())
+        tmps.append(tmp)
+    return tmps
+
+
+def _at_once(tmps, publish, refused):
+    """Every temporary published by its own thread, all released together; ``{i: "won" or
+    "refused"}`` (``refused``: the exception of a writer that loses)."""
+    start = threading.Barrier(len(tmps))
+    outcome = {}
+
+    def one(i, tmp):
+        start.wait()
+        try:
+            publish(tmp)
+            outcome[i] = "won"
+        except refused:
+            outcome[i] = "refused"
+            tmp.remove()
+    threads = [threading.Thread(target=one, args=(i, t)) for i, t in enumerate(tmps)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcome
+
+
 @pytest.mark.parametrize("links", [True, False], ids=["hard-link", "renameat2"])
 def test_concurrent_publishers_one_wins(serial_only, tmp_path, monkeypatch, links):
     """D3: many writers publish to one name at once without force: exactly one succeeds."""
@@ -59,28 +92,8 @@ def test_concurrent_publishers_one_wins(serial_only, tmp_path, monkeypatch, link
             raise PermissionError(errno.EPERM, "Operation not permitted")
         monkeypatch.setattr(os, "link", no_links)
     target = str(tmp_path / "out.h5")
-    tmps = []
-    for i in range(8):
-        tmp = Temporary.reserve(target)
-        with open(tmp.data, "wb") as f:
-            f.write(f"writer {i}".encode())
-        tmps.append(tmp)
-    start = threading.Barrier(len(tmps))
-    outcome = {}
-
-    def publish(i, tmp):
-        start.wait()
-        try:
-            tmp.publish(target, replace=False)
-            outcome[i] = "won"
-        except FileExistsError:
-            outcome[i] = "refused"
-            tmp.remove()
-    threads = [threading.Thread(target=publish, args=(i, t)) for i, t in enumerate(tmps)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    tmps = _writers(target, 8, "writer {}")
+    outcome = _at_once(tmps, lambda tmp: tmp.publish(target, replace=False), FileExistsError)
     winners = [i for i, o in outcome.items() if o == "won"]
     assert len(winners) == 1 and len(outcome) == len(tmps)
     with open(target, "rb") as f:
@@ -245,28 +258,11 @@ def test_two_runs_growing_one_file_at_once_one_is_refused(serial_only, tmp_path)
     with open(cache, "wb") as f:
         f.write(b"v0")
     read = identity_of(cache)
-    tmps = []
-    for i in range(6):
-        tmp = Temporary.reserve(cache)
-        with open(tmp.data, "wb") as f:
-            f.write(f"v0 + row of run {i}".encode())
-        tmps.append(tmp)
-    start = threading.Barrier(len(tmps))
-    outcome = {}
-
-    def grow(i, tmp):
-        start.wait()
-        try:
-            publish_together([(tmp.data, cache, Rule.grows(read))])
-            outcome[i] = "won"
-        except ChangedError:
-            outcome[i] = "refused"
+    tmps = _writers(cache, 6, "v0 + row of run {}")
+    outcome = _at_once(tmps, lambda tmp: publish_together([(tmp.data, cache, Rule.grows(read))]),
+                       ChangedError)
+    for tmp in tmps:
         tmp.remove()
-    threads = [threading.Thread(target=grow, args=(i, t)) for i, t in enumerate(tmps)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
     assert sorted(outcome.values()) == ["refused"] * 5 + ["won"]
     winner = next(i for i, o in outcome.items() if o == "won")
     assert open(cache, "rb").read() == f"v0 + row of run {winner}".encode()
