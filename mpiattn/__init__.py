@@ -29,6 +29,8 @@ _EXPORTS = {
     "matmul_tn_backward": "products",
     "attention": "strategies",
     "attention_backward": "strategies",
+    "plan_attention": "strategies",
+    "AttentionPlan": "strategies",
     "Options": "strategies",
     "AttentionSpec": "strategies",
     "MultiheadAttention": "layer",

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from . import backend
-from .strategies import attention, attention_backward
+from .strategies import AttentionPlan, attention, attention_backward, plan_attention
 from .comm.core import get_comm
 from .io.checkpoint import load_params, save_params
 
@@ -179,6 +179,7 @@ class MultiheadAttention:
         self.params = self._init_params()
         self._cache: dict | None = None
         self._comm = None  # the communicator of the last forward
+        self._plan: AttentionPlan | None = None  # the attention call of the last forward, planned
         self.grads = self._unpack(np.zeros(self._grad_size(), dtype=self.grad_dtype))
 
     # ---------------------------------------------------------------- layout
@@ -293,13 +294,28 @@ class MultiheadAttention:
             Q = _split_heads(_linear(q2, p["wq"], p.get("bq"), acc), B, n, self.num_heads, dt)
             K = _split_heads(_linear(k2, p["wk"], p.get("bk"), acc), B, m, self.num_kv_heads, dt)
             V = _split_heads(_linear(v2, p["wv"], p.get("bv"), acc), B, m, self.num_kv_heads, dt)
-        out, lse = attention(Q, K, V, c, **opts)
+        out, lse = self._attend(c, Q, K, V, key_padding_mask, segment_ids, kv_segment_ids, options)
         with c.abort_on_error():
             y2 = _linear(_merge_heads(out), p["wo"], p.get("bo"), acc)
             y = y2.astype(dt, copy=False).reshape(B, n, self.embed_dim)
+        plan = self._plan if segment_ids is None and kv_segment_ids is None else None
         self._cache = dict(q2=q2, k2=k2, v2=v2, Q=Q, K=K, V=V, out=out, lse=lse, opts=opts,
-                           self_attn=self_attn, shape=(B, n, self.embed_dim), m=m)
+                           plan=plan, self_attn=self_attn, shape=(B, n, self.embed_dim), m=m)
         return y
+
+    def _attend(self, c: Any, Q: Any, K: Any, V: Any, mask: Any, segment_ids: Any,
+                kv_segment_ids: Any, options: dict) -> tuple[Any, Any]:
+        """The attention of a forward: through the plan of the previous call when every rank's
+        arrays and options fit it (one small agreement), else through a new plan; calls with
+        document ids are one-shot (a plan keeps its documents)."""
+        if segment_ids is not None or kv_segment_ids is not None:
+            return attention(Q, K, V, c, key_padding_mask=mask, segment_ids=segment_ids,
+                             kv_segment_ids=kv_segment_ids, **options)
+        plan = self._plan
+        if plan is None or plan.comm is not c or not plan.fits(Q, K, V, key_padding_mask=mask,
+                                                               options=options):
+            plan = self._plan = plan_attention(Q, K, V, c, key_padding_mask=mask, **options)
+        return plan.run_forward(Q, K, V, mask, None)
 
     __call__ = forward
 
@@ -382,8 +398,13 @@ class MultiheadAttention:
             dy2 = dy.reshape(B * n, E).astype(acc, copy=False)
             xp.matmul(_merge_heads(cache["out"]).astype(acc, copy=False).T, dy2, out=g["wo"])
             dO = _split_heads(dy2 @ p["wo"].astype(acc, copy=False).T, B, n, self.num_heads, dt)
-        dQ, dK, dV = attention_backward(dO, cache["Q"], cache["K"], cache["V"], cache["out"],
-                                        cache["lse"], c, **cache["opts"])
+        if cache["plan"] is not None:
+            dQ, dK, dV = cache["plan"].run_backward(dO, cache["Q"], cache["K"], cache["V"],
+                                                    cache["out"], cache["lse"],
+                                                    cache["opts"]["key_padding_mask"], None)
+        else:
+            dQ, dK, dV = attention_backward(dO, cache["Q"], cache["K"], cache["V"], cache["out"],
+                                            cache["lse"], c, **cache["opts"])
         with c.abort_on_error():
             dQ2 = _merge_heads(dQ).astype(acc, copy=False)
             dK2 = _merge_heads(dK).astype(acc, copy=False)

@@ -5,8 +5,9 @@ Every rank holds the rows of one global sequence given by a layout
 values of a length-``M`` one. Shapes follow torch's
 ``scaled_dot_product_attention``: ``(batch, heads, sequence, feature)``.
 
-A call is validated and agreed by every rank (:mod:`mpiattn.strategies.problem`),
-then runs its strategy (:mod:`mpiattn.strategies.registry`: ``ring``,
+A call is validated and agreed by every rank (:mod:`mpiattn.strategies.problem`)
+and planned (:mod:`mpiattn.strategies.plan`: :func:`plan_attention` makes the
+plan once for a loop; these are the one-shot forms), then runs its strategy (:mod:`mpiattn.strategies.registry`: ``ring``,
 ``allgather``, ``ulysses``, ``materialized``, or ``auto``, the cheapest
 supported; each strategy's module states its costs), which feeds key/value
 blocks to a local engine (:mod:`mpiattn.kernels.engines`).
@@ -18,6 +19,7 @@ from typing import Any
 
 from ..comm.core import get_comm
 from .base import Progress
+from .plan import AttentionPlan, plan_attention
 from .problem import validate
 
 __all__ = ["attention", "attention_backward"]
@@ -106,13 +108,11 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     >>> bool(np.allclose(out[:, :, 0], x[:, :, 0]))  # query 0 sees key 0 only
     True
     """
-    c = get_comm(comm)
-    pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids)
+    plan = plan_attention(q, k, v, comm, key_padding_mask=key_padding_mask,
+                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options)
     if details is not None:
-        details.update(pb.details())
-    with c.abort_on_error():
-        o, lse = pb.strategy.forward(c, pb, q, k, v, key_padding_mask, progress)
-    return o.astype(pb.spec.dtype, copy=False), lse.astype(pb.spec.acc_dtype, copy=False)
+        details.update(plan.details())
+    return plan.run_forward(q, k, v, key_padding_mask, progress)
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm: Any = None, *,
@@ -163,10 +163,5 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
                   segment_ids, kv_segment_ids)
     if details is not None:
         details.update(pb.details())
-    acc = pb.spec.acc_dtype
-    D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
-    with c.abort_on_error():
-        dq, dk, dv = pb.strategy.backward(c, pb, dout, q, k, v, out, lse, D, key_padding_mask,
-                                          progress)
-    dt = pb.spec.dtype
-    return dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False)
+    return AttentionPlan(c, pb, {}, None).run_backward(dout, q, k, v, out, lse, key_padding_mask,
+                                                       progress)

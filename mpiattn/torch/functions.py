@@ -28,9 +28,10 @@ from .. import products
 from ..comm.core import Comm, get_comm
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
+from ..strategies import plan_attention
 from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
 
-__all__ = ["attention", "matmul_nt", "matmul_nn", "matmul_tn"]
+__all__ = ["attention", "plan_for", "matmul_nt", "matmul_nn", "matmul_tn"]
 
 
 def _agree(c: Comm, call: str, operands: dict[str, Any], extra: dict[str, Any] | None = None,
@@ -60,6 +61,7 @@ class _Call:
     details: dict | None = None
     progress: Any = None
     lse_grad: bool = False
+    plan: Any = None  # an AttentionPlan every rank's arrays fit (checked already)
 
 
 class _Attention(torch.autograd.Function):
@@ -67,8 +69,15 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
         with on_device(q.device):
-            out, lse = np_attention(to_array(q), to_array(k), to_array(v), call.comm,
-                                    progress=call.progress, details=call.details, **call.keywords)
+            if call.plan is not None:
+                out, lse = call.plan.run_forward(to_array(q), to_array(k), to_array(v),
+                                                 call.keywords.get("key_padding_mask"), call.progress)
+                if call.details is not None:
+                    call.details.update(call.plan.details())
+            else:
+                out, lse = np_attention(to_array(q), to_array(k), to_array(v), call.comm,
+                                        progress=call.progress, details=call.details,
+                                        **call.keywords)
             out_t, lse_t = to_tensor(out), to_tensor(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.call = call
@@ -93,9 +102,14 @@ class _Attention(torch.autograd.Function):
         if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
             v, dout, out = _with_lse_gradient(v, dout, out, dlse)
         with on_device(q.device):
-            grads = np_attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v),
-                                          to_array(out), to_array(lse), call.comm,
-                                          progress=call.progress, **call.keywords)
+            arrays = (to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
+                      to_array(lse))
+            if call.plan is not None and not call.lse_grad:  # (lse's gradient: v has a column more)
+                grads = call.plan.run_backward(*arrays, call.keywords.get("key_padding_mask"),
+                                               call.progress)
+            else:
+                grads = np_attention_backward(*arrays, call.comm, progress=call.progress,
+                                              **call.keywords)
             dq, dk, dv = (to_tensor(g) for g in grads)
         return dq, dk, dv[..., :Ev], None
 
@@ -129,7 +143,7 @@ def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
               key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
               return_lse: bool = False, progress: Any = None, details: dict | None = None,
-              **options: Any) -> Any:
+              planned: Any = None, **options: Any) -> Any:
     """Exact attention over a sequence sharded across ranks, differentiable by torch's autograd.
 
     :func:`mpiattn.attention` on tensors: the same keywords, the same result,
@@ -154,6 +168,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         Also return ``lse`` (differentiable: its gradient joins the backward).
     progress, details
         As in :func:`mpiattn.attention` (``details`` is filled by the forward).
+    planned : mpiattn.AttentionPlan, optional
+        A plan every rank's tensors are known to fit (:func:`plan_for`): the forward and
+        backward run it, without the library's per-call validation.
     **options
         The fields of :class:`mpiattn.Options` (``causal``, ``scale``,
         ``window``, ``layout``, ``kv_layout``, ``strategy``, ``engine``,
@@ -201,9 +218,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
                  {"return_lse": bool(return_lse)})
     lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v))
-    call = _Call(c, dict(options, **ids), details, progress, lse_grad)
+    call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned)
     out, lse = _Attention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
+
+
+def plan_for(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Comm,
+             key_padding_mask: Any = None, **options: Any) -> Any:
+    """``plan`` when every rank's tensors (and ``options``) fit it, else a new
+    :class:`mpiattn.AttentionPlan` for them (collective; the same answer on every rank).
+
+    What a module that attends arrays of the same shapes call after call keeps between calls
+    (:class:`mpiattn.torch.MultiheadAttention`); pass the result as ``planned=`` to
+    :func:`attention`, which then skips the library's per-call validation.
+    """
+    def array(x: Any) -> Any:  # (the rules on tensors are checked later, on every rank alike)
+        return to_array(x.detach().contiguous()) if isinstance(x, torch.Tensor) else x
+    mask = None if key_padding_mask is None else array(key_padding_mask)
+    arrays = (array(q), array(k), array(v))
+    with on_device(q.device):
+        if plan is not None and plan.comm is c and plan.fits(*arrays, key_padding_mask=mask,
+                                                              options=options):
+            return plan
+        return plan_attention(*arrays, c, key_padding_mask=mask, **options)
 
 
 # ------------------------------------------------------------------ the products

@@ -58,7 +58,7 @@ from torch.nn import functional as F
 from ..comm.core import get_comm
 from ..layer import MultiheadAttention as NumpyMultiheadAttention
 from ..strategies import Options
-from .functions import attention
+from .functions import attention, plan_for
 
 __all__ = ["MultiheadAttention"]
 
@@ -125,6 +125,7 @@ class MultiheadAttention(nn.Module):
         self.num_kv_heads, self.head_dim = init.num_kv_heads, init.head_dim
         self.kdim, self.vdim, self.batch_first = init.kdim, init.vdim, bool(batch_first)
         self.comm, self.options = comm, Options.of(**options)
+        self._plan = None  # the attention of the last forward, planned (reused while it fits)
         kw = dict(device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
 
         def weight(name: str) -> nn.Parameter:
@@ -212,9 +213,12 @@ class MultiheadAttention(nn.Module):
         opts = Options.of(self.options, **options)
         if is_causal:
             opts = Options.of(opts, causal=True)
+        planned = None
+        if segment_ids is None and kv_segment_ids is None:  # (a plan keeps its documents)
+            planned = self._plan = plan_for(self._plan, Q, K, V, c, key_padding_mask, options=opts)
         O = attention(Q, K, V, comm=c,
                       key_padding_mask=key_padding_mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, options=opts)
+                      kv_segment_ids=kv_segment_ids, options=opts, planned=planned)
         B, n = query.shape[:2]
         y = self.out_proj(O.transpose(1, 2).reshape(B, n, self.embed_dim))
         return (y if self.batch_first else y.transpose(0, 1)), None
