@@ -122,7 +122,7 @@ def row_work(n: int, *, causal: bool | str = False, window: Any = None, segment_
     if seg is not None and m is not None and m != n:
         raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
     if seg is None:
-        return np.maximum(jhi - jlo + 1, 0)
+        return np.maximum(jhi - jlo + 1, 0)  # (MaskSpec.keys_per_row)
     out = np.zeros(n, dtype=np.int64)
     for row in seg:
         order = np.argsort(row, kind="stable")  # by id, positions increasing within an id

@@ -32,6 +32,7 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import engines
+from ..strategies import model
 from ..strategies.machines import Machine
 from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
 from .local import partial_attention, step_attend
@@ -149,12 +150,13 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
 
 def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
                  machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> dict:
-    """The cost model's decode step: ``t`` new queries against a cache of ``M`` rows on ``P`` ranks.
+    """The cost model's decode step (:mod:`mpiattn.strategies.model`): ``t`` new queries against a
+    cache of ``M`` rows on ``P`` ranks.
 
     Per rank: compute ``2 B H (E + Ev) t M / P`` FLOPs at the machine's rate, or
     reading its ``M / P x B Hkv (E + Ev)`` cached words at its memory bandwidth,
     whichever is longer (a decode step is memory-bound for small ``t``); then the
-    tree merge: ``2 ceil(log2 P)`` messages of ``B t H (Ev + 1)`` accumulation
+    tree merge, a phase of ``2 ceil(log2 P)`` messages of ``B t H (Ev + 1)`` accumulation
     words over the slowest link the tree uses (between nodes when there are several).
 
     Returns
@@ -163,12 +165,13 @@ def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: i
         ``compute_s``, ``read_s``, ``merge_s``, ``step_s`` (seconds) and ``merge_bytes``.
     """
     acc = 8 if itemsize == 8 else 4
-    compute = 2.0 * B * H * (E + Ev) * t * M / P / machine.rate(rate_dtype)
-    read = (M / P * B * Hkv * (E + Ev) * itemsize / machine.memory_bandwidth
-            if machine.memory_bandwidth > 0 else 0.0)
+    flops = model.flops_per_pair(B, H, E, Ev) * t * M / P
+    read = M / P * B * Hkv * (E + Ev) * itemsize
     steps = 2 * math.ceil(math.log2(P)) if P > 1 else 0
     words = B * t * H * (Ev + 1)
-    link = machine.between if between_nodes else machine.inside
-    merge_s = steps * link.time(words * acc) if steps else 0.0
-    return {"compute_s": compute, "read_s": read, "merge_s": merge_s,
-            "step_s": max(compute, read) + merge_s, "merge_bytes": float(words * acc)}
+    merge = [model.link_phase(between_nodes, steps * words * acc, steps)] if steps else []
+    compute = model.compute_time(flops, machine, rate_dtype, read)
+    step = model.pass_time(compute, merge, machine)
+    return {"compute_s": model.compute_time(flops, machine, rate_dtype),
+            "read_s": model.compute_time(0.0, machine, rate_dtype, read), "merge_s": step - compute,
+            "step_s": step, "merge_bytes": float(words * acc)}

@@ -43,6 +43,7 @@ from ..comm.core import Comm
 from ..kernels.engine import Engine
 from ..layouts import Layout
 from ..strategies.api import attention
+from ..strategies import model
 from ..strategies.machines import Machine
 from ..strategies.ring import Ring
 from ..strategies.spec import AttentionSpec
@@ -50,7 +51,7 @@ from .local import partial_attention, step_attend
 from .merge import merge
 from .shard import Shard
 
-__all__ = ["VARIANTS", "Choice", "choose", "pass_kv", "pass_q", "runs_of"]
+__all__ = ["VARIANTS", "Choice", "choose", "flops", "pass_kv", "pass_q", "runs_of"]
 
 #: Accepted values of ``variant=``.
 VARIANTS = ("auto", "pass-kv", "pass-q")
@@ -72,29 +73,32 @@ class Choice:
                 f"sent), pass-q {self.pass_q_s * 1e3:.3g} ms ({self.pass_q_bytes / 2**20:.3g} MiB)")
 
 
+def flops(C: int, M: int, B: int, H: int, E: int, Ev: int) -> float:
+    """Forward FLOPs of a chunk of ``C`` queries after ``M`` cached rows (causal: ``C M + C (C + 1)
+    / 2`` visible pairs)."""
+    return model.flops_per_pair(B, H, E, Ev) * (C * M + C * (C + 1) / 2)
+
+
 def choose(P: int, C: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
            machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> Choice:
     """pass-KV or pass-Q for a chunk of ``C`` queries after ``M`` cached rows on ``P`` ranks.
 
-    ``compute = 2 B H (E + Ev) (C M + C (C + 1) / 2) / P / rate`` (causal
-    pairs); pass-KV's ring hides ``overlap x compute`` of its transfer,
-    pass-Q's two collectives hide nothing (module docstring for the words).
-    One rank: pass-Q (nothing travels, nothing is copied).
+    Priced by the strategies' cost model (:mod:`mpiattn.strategies.model`): the compute of
+    :func:`flops`, shared by the ranks; pass-KV a ring phase of ``P - 1`` steps that hides
+    behind the compute as a ring's does; pass-Q two collectives that hide nothing (module
+    docstring for the words). One rank: pass-Q (nothing travels, nothing is copied).
     """
     if P == 1:
         return Choice("pass-q", 0.0, 0.0, 0.0, 0.0)
-    link = machine.between if between_nodes else machine.inside
     acc = 8 if itemsize == 8 else 4
-    pairs = C * M + C * (C + 1) / 2
-    compute = 2.0 * B * H * (E + Ev) * pairs / P / machine.rate(rate_dtype)
+    compute = model.compute_time(flops(C, M, B, H, E, Ev) / P, machine, rate_dtype)
     kv_bytes = (P - 1) * math.ceil((M + C) / P) * B * Hkv * (E + Ev) * itemsize
-    kv_time = link.time(kv_bytes, P - 1)
-    kv_exposed = max(kv_time - machine.overlap * compute, (1.0 - machine.overlap) * kv_time)
     rows = math.ceil(C / P)
     q_bytes = (P - 1) * rows * B * H * (E * itemsize + (Ev + 1) * acc)
-    q_time = link.time(q_bytes, 2 * (P - 1))
-    variant = "pass-q" if q_time < kv_exposed else "pass-kv"
-    return Choice(variant, compute + kv_exposed, compute + q_time, kv_bytes, q_bytes)
+    kv = model.link_phase(between_nodes, kv_bytes, P - 1, ring_steps=P - 1)
+    kv_s = model.pass_time(compute, [kv], machine)
+    q_s = model.pass_time(compute, [model.link_phase(between_nodes, q_bytes, 2 * (P - 1))], machine)
+    return Choice("pass-q" if q_s < kv_s else "pass-kv", kv_s, q_s, kv_bytes, q_bytes)
 
 
 def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:

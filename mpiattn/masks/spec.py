@@ -155,3 +155,9 @@ class MaskSpec:
         jlo = i + (-(n + m) if lo == -np.inf else int(lo))
         jhi = i + (n + m if hi == np.inf else int(hi))
         return np.maximum(jlo, 0), np.minimum(jhi, m - 1)
+
+    def keys_per_row(self, n: int, m: int) -> np.ndarray:
+        """How many of ``m`` keys every query row of ``n`` sees under the causal and window rules
+        (:meth:`key_ranges`; documents and padding are not counted), int64 ``(n,)``."""
+        jlo, jhi = self.key_ranges(n, m)
+        return np.maximum(jhi - jlo + 1, 0)

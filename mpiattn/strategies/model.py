@@ -22,7 +22,11 @@ rules; documents and padding are not counted (the model then overestimates
 the compute, alike for every strategy). ``auto`` takes the candidate with the
 smallest predicted forward+backward time among those whose memory per rank
 fits the machine's (:func:`choose`); ``python -m mpiattn plan`` prints the
-whole table.
+whole table. The inference calls are priced by the same functions: a decode
+step (:func:`mpiattn.inference.decode.predict_step`: compute or its memory
+read, whichever is longer, then the tree merge's phase) and a chunked
+prefill's two variants (:func:`mpiattn.inference.prefill.choose`: pass-KV a
+ring phase, pass-Q two collectives).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import numpy as np
 from .base import Phase, Strategy
 from .machines import Machine
 
-__all__ = ["Prediction", "row_pairs", "predict", "choose"]
+__all__ = ["Prediction", "row_pairs", "flops_per_pair", "compute_time", "link_phase", "pass_time",
+           "predict", "choose"]
 
 #: Backward FLOPs per forward FLOP (five GEMMs per tile against two).
 BACKWARD_FLOPS = 2.5
@@ -83,12 +88,29 @@ class Prediction:
 
 
 def row_pairs(spec: Any) -> np.ndarray:
-    """Visible keys of every query row under the causal and window rules, ``(N,)`` float64."""
-    i = np.arange(spec.N, dtype=np.float64)
-    lo, hi = spec.mask.band()
-    jlo = np.maximum(0.0, i + lo) if lo > -np.inf else np.zeros_like(i)
-    jhi = np.minimum(spec.M - 1.0, i + hi) if hi < np.inf else np.full_like(i, spec.M - 1.0)
-    return np.maximum(jhi - jlo + 1.0, 0.0)
+    """Visible keys of every query row under the causal and window rules, ``(N,)`` float64
+    (:meth:`mpiattn.masks.MaskSpec.keys_per_row`)."""
+    return spec.mask.keys_per_row(spec.N, spec.M).astype(np.float64)
+
+
+def flops_per_pair(B: int, H: int, E: int, Ev: int) -> float:
+    """Forward FLOPs of one visible (query, key) pair over the batch and the heads: the two
+    products' ``2 B H (E + Ev)``."""
+    return 2.0 * B * H * (E + Ev)
+
+
+def compute_time(flops: float, machine: Machine, rate_dtype: Any, read_bytes: float = 0.0) -> float:
+    """Seconds of ``flops`` forward FLOPs at the machine's rate for ``rate_dtype``, or of reading
+    ``read_bytes`` from memory at its bandwidth (a decode step), whichever is longer."""
+    read = read_bytes / machine.memory_bandwidth if machine.memory_bandwidth > 0 else 0.0
+    return max(flops / machine.rate(rate_dtype), read)
+
+
+def link_phase(between_nodes: bool, nbytes: float, messages: int, ring_steps: int = 0) -> Phase:
+    """A phase of ``nbytes`` in ``messages`` over one link class (between nodes, or inside
+    one); ``ring_steps`` > 0: a ring's, which hides behind the compute step by step."""
+    side = {"between": float(nbytes)} if between_nodes else {"inside": float(nbytes)}
+    return Phase(messages=messages, overlap=ring_steps > 0, steps=ring_steps, **side)
 
 
 def _phase_time(p: Phase, machine: Machine) -> float:
@@ -99,7 +121,7 @@ def _phase_time(p: Phase, machine: Machine) -> float:
     return p.messages * link.latency_s + max(p.inside / machine.inside.bandwidth, p.between / between)
 
 
-def _pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:
+def pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:
     """Compute, the phases that cannot overlap, and what the ring steps leave exposed: each
     step hides behind one block's compute (``compute / (steps + 1)``, the first block needing
     no transfer) up to the machine's ``overlap``."""
@@ -122,8 +144,7 @@ def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: M
     (``plan`` sizes bfloat16 as float16, both two bytes, and times it as bfloat16).
     """
     pairs = row_pairs(spec) if pairs is None else pairs
-    per_pair = 2.0 * spec.B * spec.H * (spec.E + spec.Ev)
-    total = per_pair * float(pairs.sum())
+    total = flops_per_pair(spec.B, spec.H, spec.E, spec.Ev) * float(pairs.sum())
     rate = machine.rate(rate_dtype or spec.dtype)
     bwd_rate = rate * machine.backward_ratio
     share = strategy.work(spec, topology, pairs)
@@ -133,8 +154,8 @@ def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: M
     bwd_phases = strategy.traffic(spec, topology, block, backward=True)
     phases = [*fwd_phases, *bwd_phases]
     ideal = (total / rate + BACKWARD_FLOPS * total / bwd_rate) / topology.P
-    return Prediction(strategy.label, _pass_time(fwd_compute, fwd_phases, machine),
-                      _pass_time(bwd_compute, bwd_phases, machine), fwd_compute,
+    return Prediction(strategy.label, pass_time(fwd_compute, fwd_phases, machine),
+                      pass_time(bwd_compute, bwd_phases, machine), fwd_compute,
                       sum(p.inside for p in phases), sum(p.between for p in phases),
                       strategy.memory(spec, topology.P, block, True), ideal)
 
