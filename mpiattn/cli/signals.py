@@ -203,14 +203,23 @@ class Guard:
         self._sent.append(self.line.isend(what, dest=dest, tag=tag))  # (its buffer lives on)
 
     def _all_agree(self) -> bool:
-        """Rank 0, ending: tell every rank it speaks; True once every rank that asked agreed."""
+        """Rank 0, ending: tell every rank it speaks; True once every rank that asked agreed.
+
+        The requests that arrived while this thread was busy (its own signal's handling, Open
+        MPI's cascade wait) are taken first: an asker whose deadline passed meanwhile has told
+        this rank it speaks alone, and this rank must then stay silent.
+        """
         from mpi4py import MPI
 
+        status = MPI.Status()
+        while self.line.Iprobe(MPI.ANY_SOURCE, _REQUEST, status):
+            r = status.Get_source()
+            self._heard.setdefault(r, self.line.recv(source=r, tag=_REQUEST))
+            self._requests.add(r)
         for r in range(1, self.size):
             if r not in self._told:
                 self._reply(r, "speak")  # asked or not: a later request of theirs is answered
         waiting, deadline = set(self._requests), time.monotonic() + ANSWER_S
-        status = MPI.Status()
         while waiting and time.monotonic() < deadline:
             if self.line.Iprobe(MPI.ANY_SOURCE, _ANSWER, status):
                 r = status.Get_source()

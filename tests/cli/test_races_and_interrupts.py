@@ -19,6 +19,12 @@ from helpers import finish_group, mpiexec, run_group
 LIMIT_S = 120
 
 
+def _hydra():
+    """MPICH's launcher (which passes signals on to the ranks), not Open MPI's prterun."""
+    from mpi4py import MPI
+    return "MPICH" in MPI.Get_library_version().upper()
+
+
 def _env():
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -96,7 +102,9 @@ def test_a_signal_while_the_program_starts_is_one_line_and_128_plus_n(cache_dir,
     code, out, err = finish_group(p, LIMIT_S, "the job did not end after the signal")
     said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn")]
     assert "Traceback" not in out + err, (code, out, err)
-    assert code in (128 + sig, 0), (code, out, err)  # (0: it had finished: nothing to undo)
+    # (0: it had finished: nothing to undo. Open MPI's prterun passes no signal on: it ends its
+    # ranks itself, exit code 1 and its own words)
+    assert code in (128 + sig, 0) or (code == 1 and not _hydra()), (code, out, err)
     assert len(said) <= 1 and all(sig.name in ln for ln in said), (code, out, err)
     assert sorted(n for n in os.listdir(cache_dir) if ".mpiattn-" in n) == []
     if code:
