@@ -128,7 +128,12 @@ def _main(args: Any, con: Console) -> int:
                 args.threads_info = threads
                 if threads.source == resources.REQUESTED:  # the user chose: no advice against it
                     warnings.simplefilter("ignore", OversubscriptionWarning)
-            with _watching(args):
+            yielding = contextlib.nullcontext()
+            if con.guard is not None and args.command in _WORKING:  # an error that echoes a
+                from .steps import world_comm                      # signal says nothing
+
+                yielding = world_comm().cleanup_on_abort(con.guard.yield_to_a_signal)
+            with _watching(args), yielding:
                 return {"example": cmd_example, "run": cmd_run, "make-data": cmd_make_data,
                         "info": cmd_info, "clean": cmd_clean, "plan": cmd_plan,
                         "calibrate": cmd_calibrate, "prefill": cmd_prefill,

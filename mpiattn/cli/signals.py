@@ -335,7 +335,20 @@ class Guard:
         if self.rank == 0 and self.size > 1:
             time.sleep(errors.SETTLE_S)
         self.sync()
-        self.hold()
+        self.yield_to_a_signal()
+
+    def yield_to_a_signal(self) -> None:
+        """Before this rank reports an error (an abort's first clean-up, or the run's error line):
+        when a signal is being handled, on this rank or (rank 0) asked for by another rank whose
+        request this rank's watcher has not read yet, wait: that signal's message is the one,
+        and its decision ends the job (the error is its echo: the signal's clean-up removed a
+        file this rank was writing). Returns at once when there is none; after
+        :data:`SILENT_S` in any case."""
+        from mpi4py import MPI
+
+        asked = self.rank == 0 and self.line is not None and self.line.Iprobe(MPI.ANY_SOURCE, _REQUEST)
+        if asked or self.fired is not None or self._ending or self.outputs.stopped is not None:
+            time.sleep(SILENT_S)  # the signal's thread ends the process meanwhile
 
     def finish(self, late: list, code: int) -> None:
         """The main thread's last step, ``late`` every rank's :attr:`late` (rank 0 prints one line)."""

@@ -23,6 +23,7 @@ only (the tests start their own MPI jobs).
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,19 +153,30 @@ def _digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """in.h5, an earlier out.h5 (forward only), a cache (cache.h5, mode 640) and the new token
+    of a decode step (new.h5), made once for the module (each test works on copies)."""
+    where = tmp_path_factory.mktemp("signal-point-files")
+    run = lambda *argv: cli.main([*argv[:1], *(str(where / a) if a.endswith(".h5") else a  # noqa: E731
+                                               for a in argv[1:])])
+    assert run("make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8", "--with-dout",
+               "-q") == 0
+    assert run("run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
+               "--no-backward") == 0
+    assert run("prefill", "in.h5", "-o", "cache.h5", "-q", "--page", "64") == 0
+    os.chmod(where / "cache.h5", 0o640)
+    assert run("make-data", "new.h5", "--seq", "1", "--heads", "2", "--dim", "8", "--seed", "3",
+               "-q") == 0
+    return where
+
+
 @pytest.fixture
-def job_dir(serial_only, tmp_path, monkeypatch, capsys):
-    """A directory with in.h5, an earlier out.h5 (forward only), a cache (cache.h5, mode 640),
-    the new token of a decode step (new.h5) and the job script."""
+def job_dir(serial_only, files, tmp_path, monkeypatch, capsys):
+    """A copy of the module's files (modes and times kept) and the job script."""
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["make-data", "in.h5", "--seq", "600", "--heads", "2", "--dim", "8",
-                     "--with-dout", "-q"]) == 0
-    assert cli.main(["run", "in.h5", "-o", "out.h5", "-q", "--threads", "1", "--engine", "native",
-                     "--no-backward"]) == 0
-    assert cli.main(["prefill", "in.h5", "-o", "cache.h5", "-q", "--page", "64"]) == 0
-    os.chmod(tmp_path / "cache.h5", 0o640)
-    assert cli.main(["make-data", "new.h5", "--seq", "1", "--heads", "2", "--dim", "8", "--seed",
-                     "3", "-q"]) == 0
+    for name in ("in.h5", "out.h5", "cache.h5", "new.h5"):
+        shutil.copy2(files / name, tmp_path / name)
     capsys.readouterr()
     (tmp_path / "job.py").write_text(JOB)
     return tmp_path
