@@ -157,6 +157,10 @@ def _digest(path):
 def files(tmp_path_factory):
     """in.h5, an earlier out.h5 (forward only), a cache (cache.h5, mode 640) and the new token
     of a decode step (new.h5), made once for the module (each test works on copies)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:  # (a module fixture comes before serial_only's skip)
+        pytest.skip("launches mpiexec itself; runs in the single-process session")
     where = tmp_path_factory.mktemp("signal-point-files")
     run = lambda *argv: cli.main([*argv[:1], *(str(where / a) if a.endswith(".h5") else a  # noqa: E731
                                                for a in argv[1:])])
