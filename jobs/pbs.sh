@@ -86,10 +86,17 @@ DEADLINE=""                            # $SECONDS (since the job started) at whi
 if [[ $WALLTIME =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]]; then  # 10#: hours like "08" are not octal
     DEADLINE=$((10#${BASH_REMATCH[1]} * 3600 + 10#${BASH_REMATCH[2]} * 60 + 10#${BASH_REMATCH[3]} - GRACE))
 fi                                     # (no walltime found: steps run without a deadline)
+# Each step runs in the background while the script waits for it: bash runs a trap only between
+# commands, but `wait` returns as soon as a trapped signal arrives. So on qdel the inputs are
+# removed at once, not after the launcher ends (PBS kills the job's shell kill_delay later).
+STEP=""                                # process id of the running step, empty between steps
 launch() {                             # launch ARGS...: run ARGS on all ranks, within the deadline
-    if [[ -z $DEADLINE ]]; then "${MPIEXEC[@]}" "$@"; return; fi  # no deadline: plain launcher
-    local left=$((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1))   # seconds left, at least 1
-    timeout --signal=TERM --kill-after=60 "$left" "${MPIEXEC[@]}" "$@"  # TERM at the deadline
+    if [[ -z $DEADLINE ]]; then "${MPIEXEC[@]}" "$@" & STEP=$!  # no deadline: plain launcher
+    else                               # a deadline: TERM from timeout when it comes
+        local left=$((DEADLINE - SECONDS > 1 ? DEADLINE - SECONDS : 1))  # seconds left, at least 1
+        timeout --signal=TERM --kill-after=60 "$left" "${MPIEXEC[@]}" "$@" & STEP=$!  # the step
+    fi                                 # (either way STEP is the step's process id)
+    wait "$STEP"; STEP=""              # fail as the step fails
 }                                      # end of launch
 
 # On failure (a failing step, qdel, the time limit) remove the inputs this job generated;
@@ -102,6 +109,7 @@ on_exit() {                            # the EXIT trap
         rm -f "${GENERATED[@]}"        # -f: some may not exist yet
         echo "mpiattn job $JOB failed (exit $rc); removed its inputs: ${GENERATED[*]}" >&2  # say so
     fi                                 # (no failure, or nothing generated yet: keep everything)
+    if [[ -n $STEP ]]; then wait "$STEP" 2>/dev/null || true; fi  # a signalled step: let it end
 }                                      # end of on_exit
 trap on_exit EXIT                      # runs on any exit, including the ones below
 trap 'exit 143' TERM                   # SIGTERM (qdel, walltime): exit 128+15, via on_exit
