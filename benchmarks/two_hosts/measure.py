@@ -14,7 +14,7 @@ nodes. Then it prints, from the records:
 * at each rate: where the model says ``hybrid`` or ``double-ring`` beats the flat ring, whether
   it did, and by how much against what the model said.
 
-Full measurement (an idle machine; about 1 to 1.5 hours on 2 cores; root)::
+Full measurement (an idle machine; 38 minutes on a 2-core VM; root)::
 
     python benchmarks/two_hosts/measure.py --out benchmarks/two_hosts/results
 
@@ -24,7 +24,10 @@ A small run that only shows the script works (a few minutes)::
         --seq 1024 --impl ring,hybrid:2x2,auto --repeat 1 --causal on --rows 256
 
 ``--summarize`` prints the tables again from the records in ``--out``. The cluster is removed
-at the end unless ``--keep``.
+at the end unless ``--keep``. ``--remodel DIR`` (with ``--summarize``) prices every record again
+with this checkout's cost model on ``DIR/machine-RATE.json`` (a newer calibration of the same
+cluster) and lets ``auto`` choose again on it; the times are the records' own: ``auto``'s time
+is then that of the plan it now picks, as measured in the same run.
 """
 
 from __future__ import annotations
@@ -96,6 +99,38 @@ def read(out: str, rates: list[str]) -> list[dict]:
     return rows
 
 
+def remodel(rows: list[dict], directory: str) -> list[dict]:
+    """The records priced again with this checkout's model on ``directory``'s calibrations, and
+    ``auto`` records re-planned (their time: the measured time of the plan now picked)."""
+    import dataclasses
+
+    from mpiattn.bench.memory import plan_call
+    from mpiattn.bench.tasks import Task
+    from mpiattn.comm.topology import Topology
+    from mpiattn.strategies import machines, model
+
+    topology = Topology.blocks(4, 2)
+    names = {f.name for f in dataclasses.fields(Task)}
+    measured = {(r["rate"], r["N"], r["causal"], r["pass"], r["plan"]): r["time_s"]
+                for r in rows if r["impl"] != "auto"}
+    out = []
+    for r in rows:
+        cal = os.path.abspath(os.path.join(directory, f"machine-{r['rate']}.json"))
+        os.environ["MPIATTN_MACHINE"] = cal  # what plan_call's auto reads
+        machine = machines.load(cal)
+        t = Task.from_dict({k: v for k, v in r.items() if k in names})
+        strategy, block = plan_call(t, 4, topology)
+        pred = model.predict(strategy, t.spec(), topology, block, machine)
+        new = dict(r, model_s=pred.forward_s if r["pass"] == "fwd" else pred.fwdbwd_s)
+        if r["impl"] == "auto":
+            new["plan"] = strategy.label
+            new["time_s"] = measured.get((r["rate"], r["N"], r["causal"], r["pass"], strategy.label),
+                                         r["time_s"])
+        out.append(new)
+    os.environ.pop("MPIATTN_MACHINE", None)
+    return out
+
+
 def _err(r: dict) -> float:
     return (r["model_s"] - r["time_s"]) / r["time_s"]
 
@@ -161,6 +196,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2048, help="calibrate's attention-rate rows (default 2048)")
     ap.add_argument("--summarize", action="store_true", help="run nothing: the tables from --out")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
+    ap.add_argument("--remodel", metavar="DIR", help="with --summarize: price the records again on "
+                    "DIR/machine-RATE.json with this checkout's model (auto re-planned)")
     args = ap.parse_args()
     rates = args.rates.split(",")
     os.makedirs(args.out, exist_ok=True)
@@ -171,7 +208,8 @@ def main() -> int:
         finally:
             if not args.keep:
                 _cluster("down")
-    summarize(read(args.out, rates))
+    rows = read(args.out, rates)
+    summarize(remodel(rows, args.remodel) if args.remodel else rows)
     return 0
 
 

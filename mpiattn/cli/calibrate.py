@@ -18,11 +18,13 @@ It measures, with every rank placed as the job places them
   number), on ``--rows`` query and key rows of ``--heads`` heads of ``--dim``;
 * the memory per rank (the device's, else the node's divided by its ranks),
   and the bandwidth at which a rank reads it while every rank does (what
-  bounds a decode step).
+  bounds a decode step);
+* on two nodes or more, how much of a transfer between nodes hides behind
+  compute while every rank computes (``overlap_between``).
 
 A link class the allocation lacks (``between`` on one node, ``inside``
-with one rank per node) and the overlap of transfers with compute come from
-the device's profile (:data:`mpiattn.strategies.machines.PROFILES`); the
+with one rank per node) and the overlap of transfers inside a node with
+compute come from the device's profile (:data:`mpiattn.strategies.machines.PROFILES`); the
 node's bandwidth, where it cannot be measured, is left unknown (0); the
 file's ``sources`` say which figure is measured and which is not. The file is what ``machine=``, ``--machine`` and ``$MPIATTN_MACHINE``
 take, and ``plan --calibration``.
@@ -42,7 +44,7 @@ import numpy as np
 
 from ..strategies import machines
 from ..strategies.machines import Link, Machine
-from .links import measure_links
+from .links import NOT_MEASURED, measure_links, transfer_overlap
 
 __all__ = ["add_arguments", "cmd_calibrate"]
 
@@ -148,6 +150,15 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
                         + "; bfloat16: not measured, as float16")
     sources["backward_ratio"] = "measured: the median over dtypes of backward FLOP/s / forward FLOP/s"
     sources["overlap"] = f"not measured: profile {profile.name}'s ({profile.sources.get('overlap', '')})"
+    overlap_between = None
+    if measured["between"] is None:
+        sources["overlap_between"] = NOT_MEASURED["overlap_between"] + ": as overlap"
+    else:
+        a, b = c.topology.nodes[0][0], c.topology.nodes[1][0]
+        say(f"  measuring how much of a transfer between nodes hides behind compute: rank {a} "
+            f"to {b} while every rank computes")
+        overlap_between, sources["overlap_between"] = transfer_overlap(
+            c, xp, a, b, nbytes, links["between"].bandwidth, args.repeat)
     sources["memory"] = "measured: the device's memory" if xp is not np else \
         "measured: the node's physical memory divided by its ranks"
     say("  measuring the memory bandwidth (every rank reads at once)")
@@ -157,7 +168,7 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
     name = args.name or c.bcast_obj(socket.gethostname())
     return Machine(name, links["inside"], links["between"], rates, ratio, profile.overlap,
                    _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources,
-                   node_bandwidth=node_bandwidth or 0.0)
+                   node_bandwidth=node_bandwidth or 0.0, overlap_between=overlap_between)
 
 
 def _needs(c: Any, xp: Any, args: Any) -> None:

@@ -29,6 +29,11 @@ two hosts made by ``jobs/two_hosts.sh``; ``Comm.alltoallv_rows`` no longer
 uses it), and the between figure was the pair's ping-pong halved by the
 second pair crossing the same link at once.
 
+* **overlap between nodes**: how much of a transfer from node 0's first rank
+  to node 1's hides behind compute while every rank computes, as in a ring
+  step (:func:`transfer_overlap`): the pair's time with both at once against
+  the compute alone and the transfer alone.
+
 What cannot be measured on an allocation is told (:data:`NOT_MEASURED`):
 ``inside`` when no two ranks share a node, ``between`` and the node
 bandwidth on one node, the node bandwidth with one rank per node.
@@ -42,7 +47,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["quiet_barrier", "pingpong", "node_send", "link_of", "measure_links", "NOT_MEASURED"]
+__all__ = ["quiet_barrier", "pingpong", "node_send", "link_of", "measure_links", "transfer_overlap",
+           "NOT_MEASURED"]
 
 #: Seconds a waiting rank sleeps between tests of the barrier.
 POLL_S = 5e-4
@@ -61,9 +67,13 @@ NOT_MEASURED = {
     "inside": "not measured (no two ranks of this allocation share a node)",
     "between": "not measured (this allocation has one node)",
     "node": "not measured (one rank per node: no ranks share a node's link)",
+    "overlap_between": "not measured (this allocation has one node)",
 }
 
-_PING, _PONG, _BULK = 7, 8, 9
+#: Edge of the square float32 GEMM that is the unit of compute of :func:`transfer_overlap`.
+UNIT = 256
+
+_PING, _PONG, _BULK, _HIDDEN = 7, 8, 9, 10
 
 
 def quiet_barrier(c: Any) -> None:
@@ -185,3 +195,77 @@ def measure_links(c: Any, xp: Any, nbytes: int, repeat: int,
                            f"(the others idle), best of {repeat}: {took:.4g} s, {node_bw:.4g} B/s "
                            f"for the node ({node_bw / len(senders):.4g} B/s per rank)")
     return links, node_bw, sources
+
+
+
+def _units(xp: Any, x: Any, count: int, req: Any = None) -> float:
+    """Seconds of ``count`` GEMMs of ``x`` by itself, testing ``req`` (a transfer in flight)
+    after each as a ring step tests its messages between tiles, then waiting for it."""
+    t = time.perf_counter()
+    for _ in range(count):
+        x @ x
+        if req is not None:
+            getattr(req, "req", req).Test()  # a host request's MPI request, or a device one
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    if req is not None:
+        req.wait()
+    return time.perf_counter() - t
+
+
+def _slowest(c: Any, ranks: tuple, took: float) -> float:
+    """The largest of ``took`` over ``ranks`` (collective)."""
+    return float(max(t for r, t in enumerate(c.allgather_obj(took)) if r in ranks))
+
+
+def transfer_overlap(c: Any, xp: Any, a: int, b: int, nbytes: int, bandwidth: float,
+                     repeat: int) -> tuple[float, str]:
+    """The fraction of a transfer of ``nbytes`` from rank ``a`` to rank ``b`` that hides behind
+    compute while every rank computes (collective; the same on every rank), and how it was
+    measured.
+
+    Times, the best of ``repeat`` each, of the slower of ``a`` and ``b``: ``T_c``, every rank
+    computing float32 GEMMs of :data:`UNIT` rows, as many as the transfer takes at
+    ``bandwidth``; ``T_x``, the transfer alone (the other ranks waiting in
+    :func:`quiet_barrier`); ``T_both``, every rank computing while ``a`` sends to ``b``, the
+    pair testing the transfer after each GEMM. The overlap is
+    ``(T_c + T_x - T_both) / min(T_c, T_x)``, clipped to [0, 1]: 1 when the shorter of the
+    two hides entirely, 0 when they add up.
+    """
+    x = xp.ones((UNIT, UNIT), dtype=np.float32)
+    pair = (a, b)
+    buf = xp.zeros(max(nbytes, 1), dtype=np.uint8) if c.rank in pair else None
+
+    def post() -> Any:
+        if c.rank == a:
+            return c.isend(buf, b, _HIDDEN)
+        return c.irecv(buf, a, _HIDDEN) if c.rank == b else None
+
+    def compute(count: int, with_transfer: bool = False) -> float:
+        c.barrier()
+        return _slowest(c, pair, _units(xp, x, count, post() if with_transfer else None))
+
+    def transfer() -> float:
+        quiet_barrier(c)
+        t = time.perf_counter()
+        req = post()
+        if req is not None:
+            req.wait()
+        took = time.perf_counter() - t
+        quiet_barrier(c)
+        return _slowest(c, pair, took if c.rank in pair else 0.0)
+
+    unit = min(compute(20) for _ in range(2)) / 20
+    count = int(c.bcast_obj(max(1, min(100_000, math.ceil(nbytes / bandwidth / max(unit, 1e-9))))))
+    transfer()  # the first transfer sets up the connection: not kept
+    t_c = t_x = t_both = math.inf
+    for _ in range(repeat):
+        t_c = min(t_c, compute(count))
+        t_x = min(t_x, transfer())
+        t_both = min(t_both, compute(count, with_transfer=True))
+    quiet_barrier(c)
+    overlap = float(min(1.0, max(0.0, (t_c + t_x - t_both) / max(min(t_c, t_x), 1e-12))))
+    return overlap, (f"measured: rank {a} sent {nbytes} B to rank {b} while every rank computed "
+                     f"{count} float32 GEMMs of {UNIT} rows (the pair testing the transfer after "
+                     f"each), best of {repeat}: compute alone {t_c:.4g} s, transfer alone "
+                     f"{t_x:.4g} s, both {t_both:.4g} s: {overlap:.2f} of the shorter hidden")

@@ -5,8 +5,11 @@ A :class:`Machine` has an alpha-beta :class:`Link` for each link class
 bandwidth a whole node sends to the others with all its ranks at once
 (``node_bandwidth``, where they share a network link), a compute rate for attention per
 dtype (FLOP/s of one rank, forward; the backward runs at
-``backward_ratio`` of it), and how much of a ring's transfer can hide behind
-compute (``overlap``). Named profiles (:data:`PROFILES`) give documented
+``backward_ratio`` of it), and how much of a ring step's transfer can hide
+behind compute, inside a node (``overlap``) and between nodes
+(``overlap_between``: there a network adapter, or the kernel's network stack,
+moves the bytes, while inside a CPU node MPI's shared-memory copies are the
+CPU's own work). Named profiles (:data:`PROFILES`) give documented
 defaults for machine classes, each number with its source;
 ``python -m mpiattn calibrate`` measures one on the current allocation and
 writes it as JSON (:meth:`Machine.save`), which :func:`load` reads back.
@@ -70,7 +73,8 @@ class Machine:
     backward_ratio : float
         The backward's FLOP/s relative to the forward's.
     overlap : float
-        The fraction of a ring's transfer time that can hide behind compute.
+        The fraction of a ring step's transfer inside a node that can hide
+        behind compute.
     memory : float
         Bytes one rank may use (0: unknown, everything fits).
     memory_bandwidth : float
@@ -83,6 +87,8 @@ class Machine:
         sending at once (0: unknown, each rank as fast as ``between`` alone).
         Ranks that send between nodes in the same phase share it
         (:attr:`mpiattn.strategies.base.Phase.sharing`).
+    overlap_between : float or None
+        The same fraction for a transfer between nodes (None: as ``overlap``).
     """
 
     name: str
@@ -95,6 +101,7 @@ class Machine:
     memory_bandwidth: float = 0.0
     sources: dict = field(default_factory=dict, compare=False)
     node_bandwidth: float = 0.0
+    overlap_between: float | None = None
 
     def __post_init__(self) -> None:
         if not self.rates:
@@ -106,6 +113,13 @@ class Machine:
         _check("memory", self.memory, low=0.0)
         _check("memory_bandwidth", self.memory_bandwidth, low=0.0)
         _check("node_bandwidth", self.node_bandwidth, low=0.0)
+        if self.overlap_between is not None:
+            _check("overlap_between", self.overlap_between, low=0.0, high=1.0)
+
+    @property
+    def between_overlap(self) -> float:
+        """The overlap of a transfer between nodes (``overlap_between``, else ``overlap``)."""
+        return self.overlap if self.overlap_between is None else self.overlap_between
 
     def fits(self, nbytes: float) -> bool:
         """Whether ``nbytes`` per rank fit (always, when the memory is unknown)."""
@@ -131,7 +145,8 @@ class Machine:
                        overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
                        memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
                        sources=dict(d.get("sources", {})),
-                       node_bandwidth=float(d.get("node_bandwidth", 0.0)))
+                       node_bandwidth=float(d.get("node_bandwidth", 0.0)),
+                       overlap_between=_optional(d.get("overlap_between")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a machine description: {exc}") from None
 
@@ -141,6 +156,10 @@ class Machine:
 
     def with_rates(self, **rates: float) -> "Machine":
         return replace(self, rates={**self.rates, **rates})
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _link(name: str, d: dict) -> Link:

@@ -8,8 +8,10 @@ For a call (:class:`~mpiattn.strategies.spec.AttentionSpec`), a topology
     phase    = messages x latency + max(inside / bw_inside, between / bw_between')
                bw_between' = min(bw_between, node_bandwidth / sharing)
     pass     = compute + the phases that cannot overlap
-               + for each ring step: max(its transfer - overlap x one block's compute,
-                                         (1 - overlap) x its transfer)
+               + for each ring step, the larger over its link classes of
+                 max(transfer - overlap x one block's compute, (1 - overlap) x transfer)
+               (overlap: the machine's ``overlap`` inside a node, ``overlap_between``
+               between nodes)
 
 with FLOPs ``2 B H (E + Ev)`` per visible (query, key) pair forward and 2.5
 times that backward (five GEMMs against two), the backward's rate
@@ -113,25 +115,41 @@ def link_phase(between_nodes: bool, nbytes: float, messages: int, ring_steps: in
     return Phase(messages=messages, overlap=ring_steps > 0, steps=ring_steps, **side)
 
 
-def _phase_time(p: Phase, machine: Machine) -> float:
-    link = machine.between if p.between > 0 else machine.inside
+def _link_times(p: Phase, machine: Machine) -> tuple[float, float]:
+    """Seconds of phase ``p`` on each link class, ``(inside, between)``, each with the phase's
+    messages' latency (the between link's when any byte crosses; between is 0 when none does)."""
     between = machine.between.bandwidth
     if machine.node_bandwidth > 0:  # the node's ranks sending at once share its link
         between = min(between, machine.node_bandwidth / max(p.sharing, 1))
-    return p.messages * link.latency_s + max(p.inside / machine.inside.bandwidth, p.between / between)
+    crosses = p.between > 0
+    latency = p.messages * (machine.between if crosses else machine.inside).latency_s
+    return (latency + p.inside / machine.inside.bandwidth,
+            latency + p.between / between if crosses else 0.0)
+
+
+def _phase_time(p: Phase, machine: Machine) -> float:
+    """Seconds of a phase: its messages' latency and its slower link class."""
+    return max(_link_times(p, machine))
+
+
+def _exposed(transfer: float, compute: float, overlap: float) -> float:
+    """What a transfer leaves exposed beside ``compute``, ``overlap`` of it able to hide."""
+    return max(transfer - overlap * compute, (1.0 - overlap) * transfer)
 
 
 def pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> float:
     """Compute, the phases that cannot overlap, and what the ring steps leave exposed: each
     step hides behind one block's compute (``compute / (steps + 1)``, the first block needing
-    no transfer) up to the machine's ``overlap``."""
+    no transfer), its transfer inside a node up to the machine's ``overlap``, between nodes up
+    to its ``between_overlap``; the step waits for the class that leaves more exposed."""
     fixed = sum(_phase_time(p, machine) for p in phases if not p.overlap)
     rings = [p for p in phases if p.overlap and p.steps > 0]
     per_step = compute / (sum(p.steps for p in rings) + 1)
     exposed = 0.0
     for p in rings:
-        tau = _phase_time(p, machine) / p.steps
-        exposed += p.steps * max(tau - machine.overlap * per_step, (1.0 - machine.overlap) * tau)
+        inside, between = (t / p.steps for t in _link_times(p, machine))
+        exposed += p.steps * max(_exposed(inside, per_step, machine.overlap),
+                                 _exposed(between, per_step, machine.between_overlap))
     return compute + fixed + exposed
 
 

@@ -16,6 +16,7 @@ from mpiattn import cli
 from mpiattn.cli import links
 from mpiattn.comm.topology import Topology
 from mpiattn.strategies import AttentionSpec, Options, machines, model, registry
+from mpiattn.strategies.base import Phase
 
 
 # ------------------------------------------------------------------ measuring
@@ -71,6 +72,12 @@ def test_calibrate_keeps_each_links_own_figure(comm, capsys, shared_dir):
         assert d["sources"]["between"].startswith(links.NOT_MEASURED["between"])
         assert d["node_bandwidth"] == 0 and d["sources"]["node_bandwidth"].startswith("not measured")
     assert d["sources"]["overlap"].startswith("not measured")
+    if topo.n_nodes == 1:
+        assert d["overlap_between"] is None
+        assert d["sources"]["overlap_between"].startswith(links.NOT_MEASURED["overlap_between"])
+    else:
+        assert 0.0 <= d["overlap_between"] <= 1.0
+        assert d["sources"]["overlap_between"].startswith("measured")
 
 
 # ------------------------------------------------------------------ the model
@@ -127,3 +134,56 @@ def test_machine_files_keep_the_nodes_bandwidth(tmp_path):
     d = m.to_dict()
     del d["node_bandwidth"]  # a file written before it existed: no sharing
     assert machines.Machine.from_dict(d).node_bandwidth == 0.0
+
+
+# ------------------------------------------------ what hides behind compute, per link class
+def _overlaps(overlap, between):
+    return machines.Machine("m", LINK, SLOW, {"float32": 1e12}, overlap=overlap,
+                            overlap_between=between)
+
+
+@pytest.mark.parametrize("overlap,between", [(0.0, None), (0.0, 1.0), (1.0, 0.0), (0.5, 0.25)])
+def test_a_ring_step_hides_each_link_class_up_to_its_own_overlap(overlap, between):
+    """A ring of 3 steps, 0.4 s of compute (0.1 s per block): each step moves 1e7 B inside
+    (0.01 s at 1e9 B/s) and 2e7 B between nodes (0.2 s at 1e8 B/s); the step waits for the
+    class that leaves more exposed."""
+    ring = Phase(inside=3e7, between=6e7, overlap=True, steps=3)
+    m = _overlaps(overlap, between)
+    ob = overlap if between is None else between
+    exposed_in = max(0.01 - overlap * 0.1, (1 - overlap) * 0.01)
+    exposed_bw = max(0.2 - ob * 0.1, (1 - ob) * 0.2)
+    assert model.pass_time(0.4, [ring], m) == pytest.approx(0.4 + 3 * max(exposed_in, exposed_bw))
+    assert m.between_overlap == ob
+
+
+def test_without_overlap_between_a_ring_step_is_priced_as_before():
+    """``overlap_between`` unset: one overlap for the step's slower link, as the model always
+    did: ``steps x max(tau - overlap x per_step, (1 - overlap) x tau)``, tau the slower class."""
+    ring = Phase(inside=3e7, between=6e7, messages=6, overlap=True, steps=3)
+    m = machines.Machine("m", machines.Link(1e-3, 1e9), machines.Link(2e-3, 1e8),
+                         {"float32": 1e12}, overlap=0.3)
+    tau = (6 * 2e-3 + 6e7 / 1e8) / 3
+    assert model.pass_time(0.4, [ring], m) == pytest.approx(
+        0.4 + 3 * max(tau - 0.3 * 0.1, 0.7 * tau))
+
+
+def test_overlap_between_is_range_checked_and_kept_in_machine_files(tmp_path):
+    with pytest.raises(ValueError, match="overlap_between must be >= 0 and <= 1"):
+        _overlaps(0.0, 1.5)
+    m = _overlaps(0.0, 0.75)
+    m.save(str(tmp_path / "m.json"))
+    assert machines.load(str(tmp_path / "m.json")).overlap_between == 0.75
+    d = m.to_dict()
+    del d["overlap_between"]  # a file written before it existed: as overlap
+    assert machines.Machine.from_dict(d).between_overlap == 0.0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_overlap_between_two_ranks_is_measured_with_their_transfer_only(comm):
+    a, b = 0, comm.size - 1
+    (overlap, text), sent = _sent(comm, lambda: links.transfer_overlap(comm, np, a, b, 1 << 16,
+                                                                       1e9, 2))
+    assert 0.0 <= overlap <= 1.0 and comm.allgather_obj(overlap) == [overlap] * comm.size
+    assert text.startswith("measured") and f"{overlap:.2f} of the shorter hidden" in text
+    # rank a: the untimed first transfer, then one alone and one beside the compute per repeat
+    assert sent == [5 * (1 << 16) if r == a else 0 for r in range(comm.size)]

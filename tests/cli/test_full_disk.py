@@ -99,3 +99,48 @@ def test_a_full_disk_holding_the_job_log_too_still_ends_cleanly(small_disk, tmp_
     assert len(said) == 1 and "disk filled up while writing" in said[0], text
     assert "Exception ignored" not in text and "Traceback" not in text
     assert sorted(os.listdir(small_disk)) == ["fill", "log"]
+
+
+def _prefilled_cache(tmp_path, cache, seq):
+    """make-data of ``seq`` prompt rows and one new token in tmp_path, prefilled into ``cache``."""
+    small = ["--heads", "4", "--dim", "32", "-q"]
+    for name, rows in (("prompt.h5", seq), ("new.h5", 1)):
+        code, out, err = _launch(tmp_path, "make-data", tmp_path / name, "--seq", rows, *small)
+        assert code == 0, out + err
+    code, out, err = _launch(tmp_path, "prefill", tmp_path / "prompt.h5", "-o", cache, "-q")
+    assert code == 0, out + err
+
+
+def _append(tmp_path, cache, out):
+    return _launch(tmp_path, "decode", cache, "--queries", tmp_path / "new.h5", "-o", out,
+                   "--append", "-q")
+
+
+def test_an_append_with_room_for_its_output_but_not_the_cache_does_nothing(small_disk, tmp_path):
+    """Issue 26 item 5: the output (a few KiB) fits, the grown cache (about 10 MiB beside the
+    10 MiB one it replaces, on a 20 MiB disk) does not: refused before any work, nothing written."""
+    cache = small_disk / "cache.h5"
+    _prefilled_cache(tmp_path, cache, 7000)
+    before = open(cache, "rb").read()
+    code, out, err = _append(tmp_path, cache, small_disk / "out.h5")
+    assert code == 1, out + err
+    assert err.count("mpiattn: error:") == 1 and "not enough free space" in err, err
+    assert sorted(os.listdir(small_disk)) == ["cache.h5"]
+    assert open(cache, "rb").read() == before
+
+
+def test_an_append_to_a_cache_in_a_read_only_directory_does_nothing(small_disk, tmp_path):
+    """Issue 26 item 5: the cache's directory cannot be written (a read-only mount: root too):
+    refused before any work, no output published elsewhere."""
+    cache = small_disk / "cache.h5"
+    _prefilled_cache(tmp_path, cache, 500)
+    before = open(cache, "rb").read()
+    p = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {p.stderr.strip()}")
+    code, out, err = _append(tmp_path, cache, tmp_path / "out.h5")
+    assert code == 1, out + err
+    assert err.count("mpiattn: error:") == 1, err
+    assert not (tmp_path / "out.h5").exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.h5")]
+    assert open(cache, "rb").read() == before

@@ -152,9 +152,11 @@ def test_calibrate_finds_the_limited_link(comm, capsys, shared_dir, hosts):
     if comm.rank == 0:  # (no collective below)
         print(f"\ncalibrate on two hosts: inside {m.inside.latency_s * 1e6:.1f} us "
               f"{m.inside.bandwidth / 1e9:.3g} GB/s; between {m.between.latency_s * 1e6:.1f} us "
-              f"{m.between.bandwidth / 1e9:.3g} GB/s; node {m.node_bandwidth / 1e9:.3g} GB/s"
+              f"{m.between.bandwidth / 1e9:.3g} GB/s; node {m.node_bandwidth / 1e9:.3g} GB/s; "
+              f"overlap between {m.overlap_between:.2f}"
               + (f"; the link is shaped to {rate / 1e9:.3g} GB/s" if rate else ""), flush=True)
     assert m.sources["between"].startswith("measured") and m.sources["node_bandwidth"].startswith("measured")
     assert m.inside.bandwidth > m.between.bandwidth
+    assert m.sources["overlap_between"].startswith("measured") and 0 <= m.overlap_between <= 1
     if rate:
         assert m.between.bandwidth <= 1.1 * rate and m.node_bandwidth <= 1.1 * rate
