@@ -176,6 +176,9 @@ def test_ctrl_c_in_a_one_rank_program_is_python_s_own(serial_only, tmp_path):
         import numpy as np
         import mpiattn
         x = np.random.default_rng(0).standard_normal((1, 8, 4096, 64)).astype(np.float32)
+        # Ctrl-C as at a terminal: a shell that started the tests in the background (``&``)
+        # passes SIGINT on ignored, and Python then leaves it so
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         try:
             for _ in range(100):
