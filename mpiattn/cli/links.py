@@ -197,7 +197,6 @@ def measure_links(c: Any, xp: Any, nbytes: int, repeat: int,
     return links, node_bw, sources
 
 
-
 def _units(xp: Any, x: Any, count: int, req: Any = None) -> float:
     """Seconds of ``count`` GEMMs of ``x`` by itself, testing ``req`` (a transfer in flight)
     after each as a ring step tests its messages between tiles, then waiting for it."""
