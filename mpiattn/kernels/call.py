@@ -37,6 +37,9 @@ class KernelCall:
     finite : bool
         Every rank checked its inputs to hold no NaN or Inf (an engine that
         must guard against infinite keys may skip it).
+    max_logit : bool
+        Keep the maximum of ``x = scale q . k`` over the visible pairs of every
+        query head (the forward's ``max_logit()``).
     """
 
     hkv: int
@@ -45,6 +48,7 @@ class KernelCall:
     acc_dtype: np.dtype
     tile: int
     finite: bool = False
+    max_logit: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "acc_dtype", np.dtype(self.acc_dtype))

@@ -7,9 +7,12 @@ engine is told of the call, a :class:`~mpiattn.kernels.call.KernelCall`:
 
 ``engine.forward(call, q)`` -> ``f``
     ``f.add(k, v, mask)`` folds a block in (``mask`` a
-    :class:`~mpiattn.masks.BlockMask`); ``f.result()`` returns ``out (B, H,
+    :class:`~mpiattn.masks.BlockMask`, which also forms the scores: softcap,
+    ALiBi, ``attn_mask``, ``mask_mod``); ``f.result()`` returns ``out (B, H,
     n, Ev)`` and ``lse (B, H, n)`` in the accumulation dtype (rows that saw
-    no key: ``out = 0``, ``lse = -inf``).
+    no key: ``out = 0``, ``lse = -inf``); with ``call.max_logit``,
+    ``f.max_logit()`` returns the largest ``scale q . k`` of a visible pair
+    per query head, float64 host ``(H,)`` (``-inf``: none).
 ``engine.backward(call, q, dout, out, lse, D)`` -> ``b``
     ``b.add(k, v, mask, dk, dv)`` adds the block's gradients into ``dk``,
     ``dv`` (``(B, Hkv, k, E/Ev)``, accumulation dtype) and keeps ``dq``;
@@ -31,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..masks.modifiers import ENGINE_MODIFIERS
 from .call import KernelCall
 
 __all__ = ["Capabilities", "Engine", "Forward", "Backward", "KernelCall"]
@@ -67,12 +71,16 @@ class Capabilities:
         Its backward reads the forward's ``out`` (else ``D`` suffices).
     head_dim_multiple : dict of str to int
         Device -> the head dims ``E``, ``Ev`` must be multiples of (1: any).
+    modifiers : tuple of str
+        The score modifiers it applies (:data:`mpiattn.masks.modifiers.MODIFIERS`;
+        ``sinks`` need none: they are added to the merged rows).
     """
 
     dtypes: dict
     rules: tuple
     needs_out: bool = False
     head_dim_multiple: dict | None = None
+    modifiers: tuple = ()
 
 
 class Engine:
@@ -96,6 +104,9 @@ class Engine:
         extra = [r for r in spec.mask.rules if r not in cap.rules]
         if extra:
             return f"the {self.name} engine has no {', '.join(extra)} masks"
+        extra = [m for m in spec.mask.modifiers if m in ENGINE_MODIFIERS and m not in cap.modifiers]
+        if extra:
+            return f"the {self.name} engine has no {', '.join(extra)}"
         mult = (cap.head_dim_multiple or {}).get(spec.device, 1)
         if spec.E % mult or spec.Ev % mult:
             return f"the {self.name} engine on {spec.device} needs head dims that are multiples of {mult}"

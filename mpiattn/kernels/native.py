@@ -62,6 +62,7 @@ import numpy as np
 
 from .. import backend
 from ..masks import BlockMask
+from ..masks.modifiers import softcap_
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
            "forward_block", "finalize", "backward_block", "DEFAULT_TILE", "TAU"]
@@ -168,6 +169,8 @@ class ForwardState:
     o : (B, Hkv, n*G, Ev)
         Running ``sum exp(S - m) V`` (unnormalised).
     ws : Workspace
+    xmax : (B, Hkv, n*G) or None
+        Running maximum of ``x = s q . k`` over the visible pairs (``max_logit``).
     """
 
     qa: Any
@@ -175,15 +178,18 @@ class ForwardState:
     l: Any
     o: Any
     ws: Workspace
+    xmax: Any = None
 
     @classmethod
-    def start(cls, q: Any, hkv: int, scale: float, dtype: Any, ev: int) -> "ForwardState":
+    def start(cls, q: Any, hkv: int, scale: float, dtype: Any, ev: int,
+              max_logit: bool = False) -> "ForwardState":
         """Fold ``q`` ``(B, H, n, E)`` and set up an empty state."""
         xp = backend.array_module(q)
         qa = fold_queries(q, hkv, scale, dtype, pad=1)
         lead = qa.shape[:-1]
         return cls(qa, xp.full(lead, -np.inf, dtype=qa.dtype), xp.zeros(lead, dtype=qa.dtype),
-                   xp.zeros(lead + (ev,), dtype=qa.dtype), Workspace(xp))
+                   xp.zeros(lead + (ev,), dtype=qa.dtype), Workspace(xp),
+                   xp.full(lead, -np.inf, dtype=qa.dtype) if max_logit else None)
 
 
 def _tiles(n: int, t: int) -> range:
@@ -279,13 +285,52 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
         if few:
             kv = (k[..., j0:j1, :].astype(dt, copy=False), v[..., j0:j1, :].astype(dt, copy=False))
             for i0, i1, r0, r1, vis in tiles:
-                _tile_few(xp, st, r0, r1, *kv, mask.bias(xp, i0, i1, j0, j1, dt, group, vis))
+                _tile_few(xp, st, r0, r1, *kv, mask, (i0, i1, j0, j1), group, vis)
             continue
         kt = ws.transposed("kt", k, j0, j1, dt)
         vc = ws.with_ones("vc", v, j0, j1, dt)
+        exact = mask.softcap is not None or st.xmax is not None
         for i0, i1, r0, r1, vis in tiles:
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
-            _tile_generic(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
+            if exact:
+                raw = _raw_scores(xp, st, r0, r1, lead + (r1 - r0,), kt)
+                _formed(xp, st, raw, mask, (i0, i1, j0, j1), r0, r1, group, vis, bias)
+                _tile_exact(xp, st, r0, r1, raw, vc)
+            else:
+                _tile_generic(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
+
+
+def _raw_scores(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any) -> Any:
+    """``x = s q . k`` of a tile (the shift column set to 0)."""
+    E = st.qa.shape[-1] - 1
+    st.qa[..., r0:r1, E] = 0
+    return xp.matmul(st.qa[..., r0:r1, :], kt, out=st.ws.get("S", rows + (kt.shape[-1],), st.qa.dtype))
+
+
+def _formed(xp: Any, st: Any, S: Any, mask: BlockMask, tile: tuple, r0: int, r1: int, group: int,
+            vis: str, bias: Any) -> None:
+    """``S = x`` -> the scores ``y`` (in place): the running ``max_logit`` of the visible ``x``,
+    the softcap, then the bias (hidden pairs -inf, ALiBi, a float ``attn_mask``)."""
+    if st.xmax is not None:
+        hidden = bias if not mask.formed else mask.hidden(xp, *tile, S.dtype, group, vis)
+        top = (S if hidden is None else S + hidden).max(axis=-1)
+        xp.maximum(st.xmax[..., r0:r1], top, out=st.xmax[..., r0:r1])
+    if mask.softcap is not None:
+        softcap_(S, mask.softcap)
+    if bias is not None:
+        S += bias
+
+
+def _tile_exact(xp: Any, st: ForwardState, r0: int, r1: int, S: Any, vc: Any) -> None:
+    """One tile of scores ``S = y`` (any values), folded in with exact row maxima."""
+    Ev = vc.shape[-1] - 1
+    m = st.m[..., r0:r1]
+    S -= xp.where(xp.isneginf(m), m.dtype.type(0), m)[..., None]
+    _rebase(xp, st, S, S.max(axis=-1, out=st.ws.get("r", S.shape[:-1], S.dtype)), r0, r1)
+    xp.exp(S, out=S)
+    pv = xp.matmul(S, vc, out=st.ws.get("pv", S.shape[:-1] + (Ev + 1,), S.dtype))
+    st.l[..., r0:r1] += pv[..., Ev]
+    st.o[..., r0:r1, :] += pv[..., :Ev]
 
 
 def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any, vc: Any,
@@ -326,13 +371,13 @@ def _tile_generic(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: 
     st.o[..., r0:r1, :] += pv[..., :Ev]
 
 
-def _tile_few(xp: Any, st: ForwardState, r0: int, r1: int, kc: Any, vc: Any, bias: Any) -> None:
+def _tile_few(xp: Any, st: ForwardState, r0: int, r1: int, kc: Any, vc: Any, mask: BlockMask,
+              tile: tuple, group: int, vis: str) -> None:
     """One score tile for a few query rows (decode): the key and value tiles are read in place
     (no transposed copy; BLAS reads ``kc^T``), with the exact running maximum."""
     E = st.qa.shape[-1] - 1
     S = xp.matmul(st.qa[..., r0:r1, :E], kc.swapaxes(-1, -2))
-    if bias is not None:
-        S += bias
+    _formed(xp, st, S, mask, tile, r0, r1, group, vis, mask.bias(xp, *tile, S.dtype, group, vis))
     m_old = st.m[..., r0:r1]
     m_new = xp.maximum(m_old, S.max(axis=-1))
     base = xp.where(xp.isneginf(m_new), m_new.dtype.type(0), m_new)
@@ -416,16 +461,28 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
         kt = ws.transposed("kt", k, j0, j1, dt)
         vt = ws.transposed("vt", v, j0, j1, dt)
         dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
+        c = mask.softcap
         for i0, i1, r0, r1, vis in tiles:
             rows = lead + (r1 - r0,)
-            P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
+            if c is None:
+                P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
+            else:  # t = tanh(x / c); P = exp(c t + bias - lse)
+                T = xp.matmul(qa[..., r0:r1, :E], kt[..., :E, :], out=ws.get("T", rows + (kk,), dt))
+                T *= dt.type(1.0 / c)
+                xp.tanh(T, out=T)
+                P = xp.multiply(T, dt.type(c), out=ws.get("P", rows + (kk,), dt))
+                P += qa[..., r0:r1, E, None]
             if bias is not None:
                 P += bias
             xp.exp(P, out=P)
             dv_c += _rows_product(xp, ws, "dv", P, doa[..., r0:r1, :Ev], group)
             dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
             dS *= P
+            if c is not None:  # dy/dx = 1 - t^2
+                T *= T
+                xp.subtract(dt.type(1), T, out=T)
+                dS *= T
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
             dk_c += _rows_product(xp, ws, "dk", dS, qa[..., r0:r1, :E], group)
 

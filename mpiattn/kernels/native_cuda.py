@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import backend, gemm
 from ..masks import BlockMask
+from ..masks.modifiers import softcap_
 from . import fused
 from .native import Workspace, _key_tiles, fold_queries
 
@@ -115,7 +116,11 @@ class _Masking:
 
     def tile(self, i0: int, i1: int, vis: str, group: int) -> tuple[Any, Any, Any]:
         """``(pad, band, host)`` for queries ``i0:i1``: the padding bias ``(B, k)``, the band
-        ``(q0, k0, lo, hi, group)``, or a host-made bias ``(Bs, 1, R, k)`` uploaded."""
+        ``(q0, k0, lo, hi, group)``, or a host-made bias ``(Bs, 1 or Hkv, R, k)`` uploaded (the
+        rules and every score modifier: :meth:`~mpiattn.masks.BlockMask.host_bias`)."""
+        if self.mask.mods is not None:
+            host = self.mask.host_bias(i0, i1, self.j0, self.j1, self.acc, group, vis)
+            return self.pad, None, None if host is None else backend.to_device(host, self.xp)
         if vis != "some":
             return self.pad, None, None
         b = self.mask.band(i0, i1, self.j0, self.j1)
@@ -158,6 +163,8 @@ class DeviceForward:
     fused : bool
         Run the fused kernels of :mod:`mpiattn.kernels.fused`.
     ws : Workspace
+    xmax : (B, Hkv, n*G) accumulation dtype or None
+        Running maximum of ``x = s q . k`` over the visible pairs (``max_logit``).
     """
 
     q: Any
@@ -167,14 +174,33 @@ class DeviceForward:
     scale: float
     fused: bool
     ws: Workspace
+    xmax: Any = None
 
     @classmethod
-    def start(cls, q: Any, hkv: int, scale: float, acc: Any, ev: int, fused_kernels: bool) -> "DeviceForward":
+    def start(cls, q: Any, hkv: int, scale: float, acc: Any, ev: int, fused_kernels: bool,
+              max_logit: bool = False) -> "DeviceForward":
         xp = backend.array_module(q)
         qf = _fold(q, hkv, gemm.operand_dtype(xp, q.dtype))
         lead = qf.shape[:-1]
         return cls(qf, xp.full(lead, -np.inf, dtype=acc), xp.zeros(lead, dtype=acc),
-                   xp.zeros(lead + (ev,), dtype=acc), float(scale), bool(fused_kernels), Workspace(xp))
+                   xp.zeros(lead + (ev,), dtype=acc), float(scale), bool(fused_kernels), Workspace(xp),
+                   xp.full(lead, -np.inf, dtype=acc) if max_logit else None)
+
+
+def _formed(st: Any, S: Any, mask: BlockMask, i0: int, i1: int, j0: int, j1: int, group: int,
+            vis: str, pad: Any, host: Any) -> Any:
+    """``S = x`` -> the scores (in place, generic array code): the running ``max_logit``, the
+    softcap, then the padding and the host bias. Returns ``t = tanh(x / c)`` (a copy) or None."""
+    xp = backend.array_module(S)
+    if getattr(st, "xmax", None) is not None:
+        hidden = mask.hidden(xp, i0, i1, j0, j1, S.dtype, group, vis)
+        top = (S if hidden is None else S + hidden).max(axis=-1)
+        xp.maximum(st.xmax[..., i0 * group:i1 * group], top, out=st.xmax[..., i0 * group:i1 * group])
+    t = None
+    if mask.softcap is not None:
+        softcap_(S, mask.softcap)
+        t = S * S.dtype.type(1.0 / mask.softcap)
+    return _apply_generic(S, pad, None, host, S.shape[1]), t
 
 
 def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask, tile: int) -> None:
@@ -192,14 +218,17 @@ def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask
             pad, band, host = masking.tile(i0, i1, vis, group)
             S = _tile_buf(st.ws, "S", (B, hkv), R, kk, acc)
             gemm.matmul(st.q[..., r0:r1, :], kt, S, alpha=st.scale)
-            if host is not None:
-                S += host
             P = S if op == acc else _tile_buf(st.ws, "P", (B, hkv), R, kk, op)
             m, l, o = st.m[..., r0:r1], st.l[..., r0:r1], st.o[..., r0:r1, :]
-            if st.fused:
+            if mask.mods is not None:  # scores formed by the generic array code
+                _formed(st, S, mask, i0, i1, j0, j1, group, vis, pad, host)
+                fused.generic.softmax_fwd_(_rows(S), _rows(P), _rows(m), _rows(l), _rows(o))
+            elif st.fused:
+                if host is not None:
+                    S += host
                 fused.softmax_fwd_(_rows(S), _rows(P), _rows(m), _rows(l), _rows(o), pad, band, hkv)
             else:
-                _apply_generic(S, pad, band, None, hkv)
+                _apply_generic(S, pad, band, host, hkv)
                 fused.generic.softmax_fwd_(_rows(S), _rows(P), _rows(m), _rows(l), _rows(o))
             gemm.matmul(P, vt, o, beta=1.0)
 
@@ -266,16 +295,22 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
             dP = _tile_buf(bs.ws, "dP", (B, hkv), R, kk, acc)
             gemm.matmul(q_r, kc.swapaxes(-1, -2), S, alpha=bs.scale)
             gemm.matmul(do_r, vc.swapaxes(-1, -2), dP)
-            if host is not None:
-                S += host
             P = S if op == acc else _tile_buf(bs.ws, "P", (B, hkv), R, kk, op)
             dS = dP if op == acc else _tile_buf(bs.ws, "dS", (B, hkv), R, kk, op)
             lse, D = bs.lse[..., r0:r1], bs.D[..., r0:r1]
-            if bs.fused:
+            if mask.mods is not None:  # scores formed by the generic array code
+                _, t = _formed(bs, S, mask, i0, i1, j0, j1, group, vis, pad, host)
+                fused.generic.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D))
+                if t is not None:  # dy/dx = 1 - t^2
+                    t *= t
+                    dS *= (1 - t).astype(dS.dtype, copy=False)
+            elif bs.fused:
+                if host is not None:
+                    S += host
                 fused.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D),
                                    pad, band, hkv)
             else:
-                _apply_generic(S, pad, band, None, hkv)
+                _apply_generic(S, pad, band, host, hkv)
                 fused.generic.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D))
             gemm.matmul(P.swapaxes(-1, -2), do_r, dv_c, beta=1.0)
             gemm.matmul(dS, kc, dq[..., r0:r1, :], alpha=bs.scale, beta=1.0)

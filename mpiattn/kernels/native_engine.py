@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import backend
 from ..masks import RULES
+from ..masks.modifiers import ENGINE_MODIFIERS
 from . import native, native_cuda
 from .engine import Capabilities, Engine, KernelCall
 
@@ -31,9 +32,10 @@ class _Forward:
         self.device = backend.array_module(q) is not np
         if self.device:
             self.st = native_cuda.DeviceForward.start(q, call.hkv, call.scale, call.acc_dtype,
-                                                      call.ev, fused)
+                                                      call.ev, fused, call.max_logit)
         else:
-            self.st = native.ForwardState.start(q, call.hkv, call.scale, call.acc_dtype, call.ev)
+            self.st = native.ForwardState.start(q, call.hkv, call.scale, call.acc_dtype, call.ev,
+                                                call.max_logit)
 
     def add(self, k: Any, v: Any, mask: Any) -> None:
         if self.device:
@@ -44,6 +46,13 @@ class _Forward:
     def result(self) -> tuple[Any, Any]:
         o, lse = (native_cuda.finalize if self.device else native.finalize)(self.st)
         return native.unfold_rows(o, self.h), native.unfold_rows(lse[..., None], self.h)[..., 0]
+
+    def max_logit(self) -> np.ndarray:
+        """The largest ``scale q . k`` of a visible pair per query head, float64 host ``(H,)``."""
+        top = native.unfold_rows(self.st.xmax[..., None], self.h)[..., 0]  # (B, H, n)
+        if top.shape[0] * top.shape[2] == 0:
+            return np.full(self.h, -np.inf)
+        return backend.to_host(top.max(axis=(0, 2))).astype(np.float64)
 
 
 class _Backward:
@@ -79,7 +88,7 @@ class NativeEngine(Engine):
     capabilities = Capabilities(
         dtypes={"numpy": ("float16", "bfloat16", "float32", "float64"),
                 "cupy": ("float16", "float32", "float64")},
-        rules=RULES, needs_out=False)
+        rules=RULES, needs_out=False, modifiers=ENGINE_MODIFIERS)
     #: A tile's elementwise work in one fused CuPy kernel each way (:mod:`mpiattn.kernels.fused`).
     fused = False
 
@@ -109,5 +118,5 @@ class FusedEngine(NativeEngine):
 
     name = "fused"
     capabilities = Capabilities(dtypes={"cupy": ("float16", "float32", "float64")}, rules=RULES,
-                                needs_out=False)
+                                needs_out=False, modifiers=ENGINE_MODIFIERS)
     fused = True

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .modifiers import MODIFIERS, check_softcap
+
 __all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
            "softmax_scale"]
 
@@ -108,6 +110,18 @@ class MaskSpec:
         Query ``i`` is aligned with key ``i + diagonal`` (:func:`diagonal`:
         0 top-left, ``M - N`` bottom-right); the causal and window rules are
         measured from it.
+    softcap : float or None
+        The scores are capped, ``c tanh(x / c)`` (:mod:`mpiattn.masks.modifiers`).
+    alibi : bool
+        ALiBi slopes are given.
+    attn_mask : {None, "bool", "float"}
+        An ``attn_mask`` of that kind is given.
+    mask_mod : bool
+        A ``mask_mod`` function is given.
+    sinks : bool
+        Sinks are given (:mod:`mpiattn.masks.sinks`).
+    max_logit : bool
+        The maximum score of every head is returned.
     """
 
     causal: bool = False
@@ -116,6 +130,12 @@ class MaskSpec:
     kv_segments: bool = False
     padding: bool = False
     diagonal: int = 0
+    softcap: float | None = None
+    alibi: bool = False
+    attn_mask: str | None = None
+    mask_mod: bool = False
+    sinks: bool = False
+    max_logit: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.causal, str):
@@ -124,8 +144,13 @@ class MaskSpec:
         object.__setattr__(self, "causal", bool(self.causal))
         object.__setattr__(self, "diagonal", int(self.diagonal))
         object.__setattr__(self, "window", check_window(self.window))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
         if self.kv_segments and not self.segments:
             raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
+        if self.attn_mask not in (None, "bool", "float"):
+            raise ValueError(f"MaskSpec.attn_mask is None, 'bool' or 'float', got {self.attn_mask!r}")
+        for name in ("alibi", "mask_mod", "sinks", "max_logit"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
 
     @property
     def rules(self) -> tuple[str, ...]:
@@ -133,6 +158,14 @@ class MaskSpec:
         on = {"causal": self.causal, "window": self.window is not None,
               "segments": self.segments, "padding": self.padding}
         return tuple(r for r in RULES if on[r])
+
+    @property
+    def modifiers(self) -> tuple[str, ...]:
+        """The active score modifiers, a sub-tuple of :data:`mpiattn.masks.modifiers.MODIFIERS`."""
+        on = {"softcap": self.softcap is not None, "alibi": self.alibi,
+              "attn_mask": self.attn_mask is not None, "mask_mod": self.mask_mod,
+              "sinks": self.sinks, "max_logit": self.max_logit}
+        return tuple(m for m in MODIFIERS if on[m])
 
     @property
     def positional(self) -> bool:

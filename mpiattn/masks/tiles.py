@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import backend
+from .modifiers import Modifiers, fold_tile
 from .spec import RULES, MaskSpec
 
 __all__ = ["BlockMask", "QuerySide", "block_mask", "padding_bias", "REFINE_LIMIT"]
@@ -45,6 +46,11 @@ __all__ = ["BlockMask", "QuerySide", "block_mask", "padding_bias", "REFINE_LIMIT
 #: Tiles of at most this many (query, key) pairs per batch entry are checked
 #: exactly (on the host) when the position hulls cannot decide them.
 REFINE_LIMIT = 1 << 20
+
+#: Regions of at most this many (query, key, head, batch) entries are checked against a bool
+#: ``attn_mask`` or a ``mask_mod`` when classified (larger ones, e.g. a whole block of a
+#: head-sharded call, are "some" and decided tile by tile).
+MOD_LIMIT = 1 << 24
 
 
 def padding_bias(pad: Any, dtype: Any) -> Any:
@@ -119,6 +125,13 @@ class BlockMask:
     diagonal : int
         Query ``i`` is aligned with key ``i + diagonal`` (bottom-right causal:
         ``M - N``); causal and the window are measured from it.
+    mods : Modifiers or None
+        The call's score modifiers (:mod:`mpiattn.masks.modifiers`).
+    heads : (h,) int64 numpy array or None
+        The global query head of each head the engine gets (None: ``0..h-1``; a
+        head-sharded call passes its share). Needed with ``mods``.
+    rows : (n,) int64 numpy array or None
+        Each query's row of ``mods.attn_mask`` (None: ``0..n-1``).
     """
 
     q_pos: np.ndarray
@@ -130,6 +143,9 @@ class BlockMask:
     k_seg: np.ndarray | None = None
     q_summaries: dict | None = None
     diagonal: int = 0
+    mods: Modifiers | None = None
+    heads: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if (self.q_seg is None) != (self.k_seg is None):
@@ -144,6 +160,21 @@ class BlockMask:
         self._pad_bias: dict = {}
         self._sides: dict = {}
         self._pairs: tuple | None = None  # ((i0, i1, j0, j1), host bool) of the last tile
+        self._mod: tuple | None = None    # ((i0, i1, j0, j1), host bool) of the modifiers' last region
+        if self.mods is not None and self.heads is None:
+            raise ValueError("BlockMask with modifiers needs the global query heads (heads=)")
+        if self.rows is None:
+            self.rows = np.arange(self.q_pos.size, dtype=np.int64)
+
+    @property
+    def softcap(self) -> float | None:
+        """The call's softcap ``c`` (scores ``c tanh(x / c)``), or None."""
+        return None if self.mods is None else self.mods.softcap
+
+    @property
+    def formed(self) -> bool:
+        """Scores are more than ``x`` plus a 0 / -inf bias: a softcap or something added."""
+        return self.mods is not None and (self.mods.softcap is not None or self.mods.adds)
 
     # ------------------------------------------------------------ what is active
     @property
@@ -177,8 +208,43 @@ class BlockMask:
         "none" only when no batch entry has a visible pair (sound: such a
         tile may be skipped); "all" only when every pair of every batch
         entry is visible. Padding is not counted here (it is applied to every
-        tile as a bias). An empty range is "none".
+        tile as a bias). An empty range is "none". A bool ``attn_mask`` and a
+        ``mask_mod`` count for regions of at most :data:`MOD_LIMIT` entries.
         """
+        vis = self._positional_visibility(i0, i1, j0, j1)
+        if vis == "none" or self.mods is None or not self.mods.hides:
+            return vis
+        ok = self.mod_visible(i0, i1, j0, j1)
+        if ok is None:
+            return "some"
+        if not ok.any():
+            return "none"
+        if vis == "all":
+            return "all" if ok.all() else "some"
+        nb = 1 if self.q_seg is None else self.q_seg.shape[0]
+        if (i1 - i0) * (j1 - j0) * nb <= REFINE_LIMIT and not (
+                self.visible_pairs(i0, i1, j0, j1)[:, None] & ok).any():
+            return "none"
+        return "some"
+
+    def mod_visible(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray | None:
+        """Host bool ``(Bx, Hx, i1-i0, j1-j0)`` of the bool ``attn_mask`` and ``mask_mod``
+        (True = visible), or None when the region is larger than :data:`MOD_LIMIT` or nothing
+        hides. The last region asked for is kept, and regions inside it are sliced from it."""
+        if self.mods is None or not self.mods.hides:
+            return None
+        if self._mod is not None:
+            (a0, a1, b0, b1), ok = self._mod
+            if a0 <= i0 and i1 <= a1 and b0 <= j0 and j1 <= b1:
+                return ok[:, :, i0 - a0:i1 - a0, j0 - b0:j1 - b0]
+        nb = self.mods.B if self.mods.mask_mod is not None else 1
+        if (i1 - i0) * (j1 - j0) * max(nb, 1) * len(self.heads) > MOD_LIMIT:
+            return None
+        ok = self.mods.visible(self.heads, self.rows[i0:i1], self.q_pos[i0:i1], self.k_pos[j0:j1])
+        self._mod = ((i0, i1, j0, j1), ok)
+        return ok
+
+    def _positional_visibility(self, i0: int, i1: int, j0: int, j1: int) -> str:
         if i1 <= i0 or j1 <= j0:
             return "none"
         if not self.positional:
@@ -264,23 +330,52 @@ class BlockMask:
             full = self._pad_bias[key] = padding_bias(self.pad, dtype)
         return full[..., j0:j1]
 
+    def host_bias(self, i0: int, i1: int, j0: int, j1: int, dtype: Any, group: int = 1,
+                  vis: str | None = None, added: bool = True) -> np.ndarray | None:
+        """Host ``(Bx, 1 or Hkv, (i1-i0)*group, j1-j0)`` bias of the rules and modifiers (padding
+        excluded): -inf where hidden (only on a "some" tile), plus what the modifiers add (unless
+        ``added=False``); None when it would be all 0."""
+        vis = self.visibility(i0, i1, j0, j1) if vis is None else vis
+        dt = np.dtype(dtype)
+        out = None
+        if vis == "some":
+            ok = self.visible_pairs(i0, i1, j0, j1)[:, None]
+            mv = self.mod_visible(i0, i1, j0, j1) if self.mods is not None and self.mods.hides else None
+            if self.mods is not None and self.mods.hides and mv is None:  # too large to keep
+                mv = self.mods.visible(self.heads, self.rows[i0:i1], self.q_pos[i0:i1],
+                                       self.k_pos[j0:j1])
+            if mv is not None:
+                ok = ok & mv
+            out = np.where(ok, dt.type(0), dt.type(-np.inf))
+        if added and self.mods is not None and self.mods.adds:
+            add = self.mods.added(self.heads, self.rows[i0:i1], self.q_pos[i0:i1],
+                                  self.k_pos[j0:j1], self.diagonal).astype(dt)
+            out = add if out is None else out + add
+        if out is None:
+            return None
+        hkv = max(len(self.heads) // group, 1) if self.heads is not None else 1
+        return fold_tile(out, hkv, group)
+
+    def hidden(self, xp: Any, i0: int, i1: int, j0: int, j1: int, dtype: Any, group: int = 1,
+               vis: str | None = None) -> Any:
+        """The 0 / -inf bias alone (padding, rules, the modifiers that hide), or None: the visible
+        pairs of a tile, for its maximum score (``max_logit``)."""
+        return self.bias(xp, i0, i1, j0, j1, dtype, group, vis, added=False)
+
     def bias(self, xp: Any, i0: int, i1: int, j0: int, j1: int, dtype: Any, group: int = 1,
-             vis: str | None = None) -> Any:
-        """Additive bias (0 or -inf) for queries ``i0:i1`` x keys ``j0:j1``, or None when nothing is hidden.
+             vis: str | None = None, added: bool = True) -> Any:
+        """Additive bias for queries ``i0:i1`` x keys ``j0:j1`` on ``xp``'s device, or None when
+        nothing is hidden or added: -inf where hidden, plus ALiBi and a float ``attn_mask``.
 
         Broadcastable to ``(B, Hkv, (i1-i0)*group, j1-j0)``: with ``group``
         each query row is repeated ``group`` times (the folded rows of
         :mod:`mpiattn.kernels.native`, row ``i*group + g``).
         """
-        vis = self.visibility(i0, i1, j0, j1) if vis is None else vis
         out = self.padding(xp, j0, j1, dtype)
-        if vis == "some":
-            ok = self.visible_pairs(i0, i1, j0, j1)
-            if group > 1:
-                ok = np.repeat(ok, group, axis=1)
-            dt = np.dtype(dtype)
-            pos = backend.to_device(np.where(ok, dt.type(0), dt.type(-np.inf)), xp)[:, None]
-            out = pos if out is None else out + pos
+        host = self.host_bias(i0, i1, j0, j1, dtype, group, vis, added)
+        if host is not None:
+            dev = backend.to_device(host, xp)
+            out = dev if out is None else out + dev
         return out
 
 
@@ -297,16 +392,28 @@ class QuerySide:
     summaries : dict
         The tile summaries of the queries, filled as the blocks ask (one
         call's cache: it lives as long as this object).
+    mods : Modifiers or None
+        The call's score modifiers.
+    heads : (h,) int64 numpy array or None
+        The global query heads the engine gets (needed with ``mods``).
+    rows : (n,) int64 numpy array or None
+        Each query's row of ``mods.attn_mask`` (None: ``0..n-1``).
     """
 
     q_pos: np.ndarray
     q_seg: np.ndarray | None = None
     summaries: dict = field(default_factory=dict)
+    mods: Modifiers | None = None
+    heads: np.ndarray | None = None
+    rows: np.ndarray | None = None
 
     @classmethod
-    def of(cls, q_pos: np.ndarray, seg_q: np.ndarray | None) -> "QuerySide":
-        """The queries at global positions ``q_pos``, their ids taken from the global ``seg_q``."""
-        return cls(q_pos, None if seg_q is None else seg_q[:, q_pos])
+    def of(cls, q_pos: np.ndarray, seg_q: np.ndarray | None, mods: Modifiers | None = None,
+           heads: Any = None) -> "QuerySide":
+        """The queries at global positions ``q_pos``, their ids taken from the global ``seg_q``;
+        ``heads``: the global query heads the engine gets."""
+        return cls(q_pos, None if seg_q is None else seg_q[:, q_pos], mods=mods,
+                   heads=None if heads is None else np.asarray(heads, dtype=np.int64))
 
 
 def block_mask(mask: MaskSpec, queries: QuerySide, k_pos: np.ndarray, seg_k: np.ndarray | None,
@@ -325,4 +432,4 @@ def block_mask(mask: MaskSpec, queries: QuerySide, k_pos: np.ndarray, seg_k: np.
     """
     k_seg = None if seg_k is None or queries.q_seg is None else seg_k[:, k_pos]
     return BlockMask(queries.q_pos, k_pos, mask.causal, pad, mask.window, queries.q_seg, k_seg,
-                     queries.summaries, mask.diagonal)
+                     queries.summaries, mask.diagonal, queries.mods, queries.heads, queries.rows)

@@ -26,8 +26,10 @@ __all__ = ["attention", "attention_backward"]
 
 
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
-              segment_ids: Any = None, kv_segment_ids: Any = None, progress: Progress = None,
-              details: dict | None = None, **options: Any) -> tuple[Any, Any]:
+              segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
+              mask_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
+              progress: Progress = None, details: dict | None = None,
+              **options: Any) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
     ``out[i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over the keys ``j``
@@ -56,12 +58,32 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     kv_segment_ids : integer ndarray, shape (B, m_r), optional
         The keys' document ids; needs ``segment_ids``. Omitted: the keys
         take the query ids (needs ``N == M`` and one layout).
+    attn_mask : ndarray, shape (B or 1, H or 1, n_r, M), optional
+        This rank's query rows of a global mask (the key axis global, rows
+        in the query layout). Bool: True = the pair takes part (torch's
+        convention); float: added to the scores (after the softcap, beside
+        ALiBi; ``-inf`` hides).
+    mask_mod : callable, optional
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool array`` (True = visible), vectorised
+        over broadcasting int64 arrays of global batch, head, query and key
+        indices (FlexAttention's convention); combined by AND with every other
+        rule. The same function on every rank: its module and name are
+        compared, its code is the caller's duty.
+    alibi_slopes : ndarray, shape (H,) or (B, H), optional
+        ALiBi: ``-slope[b, h] |i + d - j|`` is added to the scores (``d`` the
+        diagonal: ``M - N`` with bottom-right causal, else 0).
+    sinks : ndarray, shape (H,), optional
+        One more term ``exp(sinks[h])`` in every row's softmax denominator
+        (:mod:`mpiattn.masks.sinks`); ``lse`` includes it, and a query that
+        sees no key gets ``out = 0``, ``lse = sinks[h]``.
     progress : callable(done, total), optional
         Called on every rank after each block step.
     details : dict, optional
         Filled with what was used: ``strategy``, ``engine``, their reasons
         (``strategy_reason``, ``engine_reason``), ``block_size`` (rows per
-        exchanged key/value block).
+        exchanged key/value block); with ``max_logit=True`` also ``max_logit``,
+        float64 ``(H,)``, the largest ``scale q . k`` of a visible pair of
+        each query head over every batch entry and rank (``-inf``: none).
     **options
         The fields of :class:`mpiattn.Options`, or ``options=`` an Options
         (keywords given beside it replace its fields): ``causal`` (key ``j``
@@ -70,8 +92,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
         ``kv_layout`` (a name or a :class:`mpiattn.Layout`, the same on every
         rank), ``strategy`` (``"auto"``, ``"ring"``, ``"allgather"``,
         ``"ulysses"``, ``"materialized"``), ``engine`` (``"auto"``, i.e. the
-        native engine, ``"native"`` or ``"torch"``), ``block_size`` and
-        ``check_finite`` (default True).
+        native engine, ``"native"`` or ``"torch"``), ``block_size``,
+        ``check_finite`` (default True), ``softcap`` (scores
+        ``c tanh(scale q . k / c)``) and ``max_logit``.
 
     Returns
     -------
@@ -79,7 +102,7 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     lse : ndarray, shape (B, H, n_r)
         Natural log of the scaled softmax denominator, float32 (float64 for
         float64 inputs). A query that sees no key gets ``out = 0`` and
-        ``lse = -inf``.
+        ``lse = -inf`` (with sinks ``lse = sinks[h]``).
 
     Raises
     ------
@@ -109,16 +132,19 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     True
     """
     plan = plan_attention(q, k, v, comm, key_padding_mask=key_padding_mask,
-                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, **options)
+                          segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                          attn_mask=attn_mask, mask_mod=mask_mod, alibi_slopes=alibi_slopes,
+                          sinks=sinks, **options)
     if details is not None:
         details.update(plan.details())
-    return plan.run_forward(q, k, v, key_padding_mask, progress)
+    return plan.run_forward(q, k, v, key_padding_mask, progress, details=details)
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm: Any = None, *,
                        key_padding_mask: Any = None, segment_ids: Any = None,
-                       kv_segment_ids: Any = None, progress: Progress = None,
-                       details: dict | None = None, **options: Any) -> tuple[Any, Any, Any]:
+                       kv_segment_ids: Any = None, attn_mask: Any = None, mask_mod: Any = None,
+                       alibi_slopes: Any = None, sinks: Any = None, progress: Progress = None,
+                       details: dict | None = None, **options: Any) -> tuple:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
     Recomputes the probabilities from ``lse`` (FlashAttention-2 style) with
@@ -134,6 +160,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     comm, key_padding_mask, segment_ids, kv_segment_ids, progress, details, **options
         As in :func:`attention`; pass the same values as to the forward call
         (the engine may differ: the gradients only need ``out`` and ``lse``).
+    attn_mask, mask_mod, alibi_slopes, sinks
+        As in :func:`attention` (the same values as the forward call's).
 
     Returns
     -------
@@ -142,6 +170,9 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     dv : ndarray, shape (B, Hkv, m_r, Ev)
         In the dtypes of ``q``, ``k``, ``v``. Queries that saw no key get
         zero gradients.
+    dsinks : ndarray, shape (H,), float64
+        Only with ``sinks``: ``-sum_{b,i} exp(sinks[h] - lse) D`` over every
+        rank's rows (``D = rowsum(dout * out)``), the same on every rank.
 
     Raises
     ------
@@ -160,7 +191,9 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse}, options,
-                  segment_ids, kv_segment_ids)
+                  segment_ids, kv_segment_ids,
+                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "alibi_slopes": alibi_slopes,
+                   "sinks": sinks})
     if details is not None:
         details.update(pb.details())
     return AttentionPlan(c, pb, {}, None).run_backward(dout, q, k, v, out, lse, key_padding_mask,

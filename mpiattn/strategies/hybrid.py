@@ -104,6 +104,9 @@ class Hybrid(Strategy):
         P = topology.P
         if self.u is None:
             return None  # u = 1 (the ring) always fits
+        if spec.mask.attn_mask is not None and self.u > 1:
+            return (f"strategy {self.label!r} does not move an attn_mask's rows to the heads' "
+                    "ranks; use 'ring' or 'allgather', or a mask_mod")
         if self.u * self.r != P:
             return f"strategy {self.label!r} needs U x R = {self.u * self.r} ranks, the call has {P}"
         why = self._heads_fit(spec, self.u)
@@ -114,7 +117,8 @@ class Hybrid(Strategy):
             return [self]
         P = topology.P
         return [Hybrid(u, P // u, self.placement) for u in range(1, P + 1)
-                if P % u == 0 and self._heads_fit(spec, u) is None]
+                if P % u == 0 and self._heads_fit(spec, u) is None
+                and (spec.mask.attn_mask is None or u == 1)]
 
     # ------------------------------------------------------------- the grid
     def grid(self, topology: Any) -> tuple[list[list[int]], list[list[int]]]:
@@ -195,7 +199,7 @@ class Hybrid(Strategy):
         n_rows = [local_lengths(s.N, c.size, s.layout)[rank] for rank in groups[g]]
         m_rows = [local_lengths(s.M, c.size, s.kv_layout)[rank] for rank in groups[g]]
         spec_r = replace(s, H=hq, Hkv=len(kv_heads[j]), layout=q_lay, kv_layout=k_lay)
-        pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING)
+        pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING, heads=tuple(q_heads[j]))
         return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r
 
     @staticmethod

@@ -34,23 +34,48 @@ from .base import Phase, Progress, Strategy, report, ring_phase
 __all__ = ["Materialized"]
 
 
-def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> Any:
-    """``S = s Q K^T`` with masks, shape ``(B, Hkv, G, n_r, M)`` (accumulation dtype)."""
+def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]:
+    """``S`` (the scores ``y``: softcap, ALiBi, ``attn_mask`` and every rule applied), shape
+    ``(B, Hkv, G, n_r, M)`` (accumulation dtype); ``t = tanh(x / c)`` with a softcap, else None;
+    the largest visible ``x`` per query head (host float64 ``(H,)``) with ``max_logit``, else None."""
     xp = backend.array_module(q)
     s = pb.spec
     B, _, n, E = q.shape
     acc = s.acc_dtype
     q5 = q.astype(acc).reshape(B, s.Hkv, s.G, n, E) * s.scale
     S = matmul_nt(q5, k.astype(acc)[:, :, None], c, layout=s.layout, block_size=pb.block)
-    if s.mask.positional:  # assigned, not added: a hidden NaN score stays hidden
-        q_pos = pb.q_pos()
-        vis = visible(s.mask, q_pos, np.arange(s.M), None if pb.seg_q is None else pb.seg_q[:, q_pos],
-                      pb.seg_k)
-        S = xp.where(backend.to_device(vis, xp)[:, None, None], S, acc.type(-np.inf))
+    q_pos, k_pos = pb.q_pos(), np.arange(s.M)
+    heads = pb.query_heads()
+    hidden = None  # (Bx, 1 or H, n, M) host bool: True = hidden
+    if s.mask.positional:
+        vis = visible(s.mask, q_pos, k_pos, None if pb.seg_q is None else pb.seg_q[:, q_pos], pb.seg_k)
+        hidden = ~vis[:, None]
+    mods = pb.mods
+    if mods is not None and mods.hides:
+        seen = mods.visible(heads, np.arange(n), q_pos, k_pos)
+        hidden = ~seen if hidden is None else hidden | ~seen
+    pad = None
     if s.mask.padding:
-        full = global_rows(c, mask, s.M, s.kv_layout)
-        S += padding_bias(full, acc)[:, :, :, None, :]
-    return S
+        pad = padding_bias(global_rows(c, mask, s.M, s.kv_layout), acc)[:, :, :, None, :]
+    unfold = lambda a: a.reshape((a.shape[0], s.Hkv if a.shape[1] > 1 else 1,  # noqa: E731
+                                  s.G if a.shape[1] > 1 else 1) + a.shape[2:])
+    top = None
+    if s.mask.max_logit:
+        x = S if hidden is None else xp.where(backend.to_device(unfold(hidden), xp), acc.type(-np.inf), S)
+        x = x if pad is None else x + pad
+        top = backend.to_host(x.reshape(B, s.H, n, s.M).max(axis=(0, 2, 3), initial=-np.inf))
+    t = None
+    if mods is not None and mods.softcap is not None:
+        t = xp.tanh(S / acc.type(mods.softcap))
+        S = t * acc.type(mods.softcap)
+    if mods is not None and mods.adds:
+        S = S + backend.to_device(unfold(mods.added(heads, np.arange(n), q_pos, k_pos,
+                                                    s.mask.diagonal).astype(acc)), xp)
+    if hidden is not None:  # assigned, not added: a hidden NaN score stays hidden
+        S = xp.where(backend.to_device(unfold(hidden), xp), acc.type(-np.inf), S)
+    if pad is not None:
+        S += pad
+    return S, t, top
 
 
 def _forward(c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
@@ -58,7 +83,9 @@ def _forward(c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
     xp = backend.array_module(q)
     s = pb.spec
     acc = s.acc_dtype
-    S = _scores(c, pb, q, k, mask)
+    S, _, top = _scores(c, pb, q, k, mask)
+    if top is not None and pb.tally is not None:
+        np.maximum.at(pb.tally["max_logit"], pb.query_heads(), top)
     m = S.max(axis=-1) if S.shape[-1] else xp.full(S.shape[:-1], -np.inf, dtype=acc)
     shift = xp.where(xp.isneginf(m), acc.type(0), m)
     Pm = xp.exp(S - shift[..., None])
@@ -72,14 +99,14 @@ def _forward(c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
     return o.reshape(B, s.H, n, s.Ev), lse.reshape(B, s.H, n)
 
 
-def _backward(c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, lse: Any, mask: Any,
+def _backward(c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: Any, mask: Any,
               progress: Progress) -> tuple[Any, Any, Any]:
     xp = backend.array_module(q)
     s = pb.spec
     acc = s.acc_dtype
     B, _, n, E = q.shape
     kw = dict(layout=s.layout, block_size=pb.block)
-    S = _scores(c, pb, q, k, mask)
+    S, t, _ = _scores(c, pb, q, k, mask)
     lse5 = lse.astype(acc).reshape(B, s.Hkv, s.G, n)
     lse5 = xp.where(xp.isneginf(lse5), acc.type(np.inf), lse5)
     Pm = xp.exp(S - lse5[..., None])
@@ -89,7 +116,9 @@ def _backward(c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, lse: Any, mas
     q5 = q.astype(acc).reshape(B, s.Hkv, s.G, n, E)
     dv = matmul_tn(Pm, do5, c, **kw).sum(axis=2)
     dP = matmul_nt(do5, v5, c, **kw)
-    dS = Pm * (dP - (dP * Pm).sum(axis=-1, keepdims=True))  # rowsum(dP * P) = D
+    dS = Pm * (dP - D.astype(acc).reshape(B, s.Hkv, s.G, n)[..., None])  # D = rowsum(dO * O)
+    if t is not None:  # the softcap's dy/dx = 1 - t^2
+        dS *= 1 - t * t
     dq = s.scale * matmul_nn(dS, k5, c, **kw)
     dk = s.scale * matmul_tn(dS, q5, c, **kw).sum(axis=2)
     report(progress, 1, 1)
@@ -117,6 +146,12 @@ class Materialized(Strategy):
     name = "materialized"
     auto = False
     uses_engine = False
+
+    def supports(self, spec: Any, topology: Any) -> str | None:
+        if spec.mask.attn_mask is not None and layout_key(spec.layout) != layout_key(spec.kv_layout):
+            return ("strategy 'materialized' moves queries and keys to one layout, and does not move "
+                    "an attn_mask's rows with them; use one layout, 'ring' or 'allgather'")
+        return None
 
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P = topology.P
@@ -161,11 +196,11 @@ class Materialized(Strategy):
                  D: Any, mask: Any, progress: Progress) -> tuple[Any, Any, Any]:
         """Gradients through the products' closure: ``dq``, ``dk``, ``dv``."""
         if not _mixed(pb):
-            return _backward(c, pb, dout, q, k, v, lse, mask, progress)
+            return _backward(c, pb, dout, q, k, v, lse, D, mask, progress)
         m = _moved(c, pb, {"dout": dout, "q": q, "k": k, "v": v, "lse": lse[..., None],
-                           "mask": None if mask is None else mask[:, :, None]})
+                           "D": D[..., None], "mask": None if mask is None else mask[:, :, None]})
         mask_c = None if mask is None else m["mask"][..., 0]
         dq, dk, dv = _backward(c, pb.relaid("contiguous"), m["dout"], m["q"], m["k"], m["v"],
-                               m["lse"][..., 0], mask_c, progress)
+                               m["lse"][..., 0], m["D"][..., 0], mask_c, progress)
         back = _moved(c, pb, {"dq": dq, "dk": dk, "dv": dv}, back=True)
         return back["dq"], back["dk"], back["dv"]

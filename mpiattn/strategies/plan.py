@@ -16,10 +16,15 @@ one-shot forms on top of it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from .. import backend
+from ..comm import errors
 from ..comm.core import Comm, get_comm
+from ..masks.sinks import add_sinks, check_sinks, sink_gradient
 from .base import Progress
 from .problem import Problem, validate
 from .spec import SKIP_FINITE, AttentionSpec, Options
@@ -98,54 +103,88 @@ class AttentionPlan:
                                  options), call="AttentionPlan.fits")
         return all(why is None for why in got)
 
-    def _check(self, call: str, arrays: dict, mask: Any) -> None:
-        """Every rank: the arrays are the planned ones (one small allgather; errors alike)."""
-        def local() -> None:
+    def _check(self, call: str, arrays: dict, mask: Any, sinks: Any = None) -> np.ndarray | None:
+        """Every rank: the arrays are the planned ones (one small allgather; errors alike).
+        Returns the call's own ``sinks`` (checked, the same on every rank) or None."""
+        def local() -> tuple | None:
             why = self._misfit(call, arrays, mask, None)
             if why is not None:
                 raise ValueError(why)
-        self.comm.allgather_checked(local, call=call)
+            if sinks is None:
+                return None
+            if self.problem.sinks is None:
+                raise ValueError(f"{call}: the plan was made without sinks; make one with sinks=")
+            return tuple(check_sinks(sinks, self.spec.H))
+        got = self.comm.allgather_checked(local, call=call)
+        with errors.alike():
+            other = next((r for r, g in enumerate(got) if g != got[0]), None)
+            if other is not None:
+                raise ValueError(f"{call}: the ranks pass different sinks (rank 0: "
+                                 f"{None if got[0] is None else list(got[0])}, rank {other}: "
+                                 f"{None if got[other] is None else list(got[other])})")
+        return None if got[0] is None else np.asarray(got[0], dtype=np.float64)
 
     # ------------------------------------------------------------------- calls
-    def forward(self, q: Any, k: Any, v: Any, *, key_padding_mask: Any = None,
-                progress: Progress = None) -> tuple[Any, Any]:
+    def forward(self, q: Any, k: Any, v: Any, *, key_padding_mask: Any = None, sinks: Any = None,
+                progress: Progress = None, details: dict | None = None) -> tuple[Any, Any]:
         """:func:`mpiattn.attention` of the planned call on this rank's ``q``, ``k``, ``v``
         (collective); returns ``out (B, H, n_r, Ev)`` in q's dtype and ``lse (B, H, n_r)``.
 
+        ``sinks`` (H,): this call's values of the plan's sinks (default the plan's). ``details``
+        gets ``max_logit`` when the plan returns it.
         Raises ValueError/TypeError on every rank alike when an array is not the planned one.
         """
-        self._check("AttentionPlan.forward", {"q": q, "k": k, "v": v}, key_padding_mask)
-        return self.run_forward(q, k, v, key_padding_mask, progress)
+        own = self._check("AttentionPlan.forward", {"q": q, "k": k, "v": v}, key_padding_mask, sinks)
+        return self.run_forward(q, k, v, key_padding_mask, progress, own, details)
 
     def backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
-                 key_padding_mask: Any = None, progress: Progress = None) -> tuple[Any, Any, Any]:
+                 key_padding_mask: Any = None, sinks: Any = None,
+                 progress: Progress = None) -> tuple:
         """:func:`mpiattn.attention_backward` of the planned call (collective): ``dq``, ``dk``,
-        ``dv`` in the inputs' dtype."""
-        self._check("AttentionPlan.backward", {"dout": dout, "q": q, "k": k, "v": v, "out": out,
-                                               "lse": lse}, key_padding_mask)
-        return self.run_backward(dout, q, k, v, out, lse, key_padding_mask, progress)
+        ``dv`` in the inputs' dtype, and ``dsinks`` (float64 ``(H,)``) when the plan has sinks."""
+        own = self._check("AttentionPlan.backward", {"dout": dout, "q": q, "k": k, "v": v,
+                                                     "out": out, "lse": lse}, key_padding_mask, sinks)
+        return self.run_backward(dout, q, k, v, out, lse, key_padding_mask, progress, own)
 
-    def run_forward(self, q: Any, k: Any, v: Any, mask: Any, progress: Progress) -> tuple[Any, Any]:
-        """The forward on arrays known to fit the plan (no check)."""
+    def run_forward(self, q: Any, k: Any, v: Any, mask: Any, progress: Progress,
+                    sinks: Any = None, details: dict | None = None) -> tuple[Any, Any]:
+        """The forward on arrays known to fit the plan (no check); ``sinks`` (H,) host float64 or
+        None (the plan's); ``details`` gets ``max_logit`` when the plan returns it."""
         c, pb = self.comm, self.problem
+        sinks = pb.sinks if sinks is None else sinks
+        if pb.spec.mask.max_logit:
+            pb = replace(pb, tally={"max_logit": np.full(pb.spec.H, -np.inf)})
         with c.abort_on_error():
             o, lse = pb.strategy.forward(c, pb, q, k, v, mask, progress)
+            if sinks is not None:
+                o, lse = add_sinks(o.astype(pb.spec.acc_dtype, copy=False),
+                                   lse.astype(pb.spec.acc_dtype, copy=False), sinks)
+        if pb.tally is not None:
+            top = np.max(np.stack(c.allgather_obj(pb.tally["max_logit"])), axis=0)
+            if details is not None:
+                details["max_logit"] = top
         return o.astype(pb.spec.dtype, copy=False), lse.astype(pb.spec.acc_dtype, copy=False)
 
     def run_backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
-                     progress: Progress) -> tuple[Any, Any, Any]:
-        """The backward on arrays known to fit the plan (no check)."""
+                     progress: Progress, sinks: Any = None) -> tuple:
+        """The backward on arrays known to fit the plan (no check): ``dq, dk, dv``, and ``dsinks``
+        (float64 host ``(H,)``, summed over every rank) when the call has sinks."""
         c, pb = self.comm, self.problem
+        sinks = pb.sinks if sinks is None else sinks
         acc = pb.spec.acc_dtype
         D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
         with c.abort_on_error():
             dq, dk, dv = pb.strategy.backward(c, pb, dout, q, k, v, out, lse, D, mask, progress)
         dt = pb.spec.dtype
-        return dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False)
+        grads = (dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False))
+        if sinks is None:
+            return grads
+        return grads + (sink_gradient(c, sinks, lse.astype(acc, copy=False), D),)
 
 
 def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
-                   segment_ids: Any = None, kv_segment_ids: Any = None,
+                   segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
+                   mask_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
                    **options: Any) -> AttentionPlan:
     """Validate, agree and plan an attention call once (collective); see the module docstring.
 
@@ -159,6 +198,10 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
         A mask of the shape later calls pass (its values may differ per call).
     segment_ids, kv_segment_ids : integer arrays, optional
         The documents: part of the plan (gathered once; another set needs another plan).
+    attn_mask, mask_mod, alibi_slopes : optional
+        Score modifiers (as :func:`mpiattn.attention`): part of the plan.
+    sinks : array (H,), optional
+        The sinks; a call may pass new values (``forward(..., sinks=)``), e.g. a training step's.
     **options
         :class:`mpiattn.Options` fields, or ``options=``.
 
@@ -182,7 +225,9 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
     True
     """
     c = get_comm(comm)
-    pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids)
+    pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids,
+                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "alibi_slopes": alibi_slopes,
+                   "sinks": sinks})
     B, H, n, _ = q.shape
     shapes = {"q": (tuple(q.shape), q.dtype), "k": (tuple(k.shape), k.dtype),
               "v": (tuple(v.shape), v.dtype), "dout": ((B, H, n, v.shape[3]), q.dtype),

@@ -26,6 +26,9 @@ from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
 from ..masks import QuerySide, diagonal
 from ..masks.ids import global_rows, local_ids
+from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod,
+                               check_slopes)
+from ..masks.sinks import check_sinks
 from . import machines, registry
 from .base import Strategy
 from .blocked import Attend
@@ -54,6 +57,16 @@ class Problem:
         Every rank checked its inputs to hold no NaN or Inf.
     seg_q, seg_k : (B, N), (B, M) host int64 arrays or None
         The global document ids (global order).
+    mods : Modifiers or None
+        This rank's score modifiers (softcap, ALiBi, ``attn_mask``, ``mask_mod``); None when the
+        call has none and no ``max_logit``.
+    sinks : (H,) float64 host array or None
+        The sinks (:mod:`mpiattn.masks.sinks`), the same on every rank.
+    heads : tuple of int or None
+        The global query heads of this call's arrays (a head-sharded strategy's share of a
+        call); None: all ``H``.
+    tally : dict or None
+        Filled by a forward pass with what it measured (``max_logit``: float64 ``(H,)``).
     """
 
     spec: AttentionSpec
@@ -68,26 +81,37 @@ class Problem:
     engine_reason: str = ""
     seg_q: Any = field(default=None, compare=False, repr=False)
     seg_k: Any = field(default=None, compare=False, repr=False)
+    mods: Any = field(default=None, compare=False, repr=False)
+    sinks: Any = field(default=None, compare=False, repr=False)
+    heads: tuple | None = None
+    tally: dict | None = field(default=None, compare=False, repr=False)
 
     def q_pos(self) -> np.ndarray:
         """Global positions of this rank's queries (local order)."""
         return positions(all_segments(self.spec.N, self.P, self.spec.layout)[self.rank])
 
-    def queries(self) -> QuerySide:
-        """This rank's queries as the key blocks of this call see them (one per call)."""
-        return QuerySide.of(self.q_pos(), self.seg_q)
+    def query_heads(self) -> np.ndarray:
+        """The global query heads of this call's arrays (:attr:`heads`, default ``0..H-1``)."""
+        return np.arange(self.spec.H) if self.heads is None else np.asarray(self.heads)
+
+    def queries(self, q_pos: np.ndarray | None = None, heads: Any = None) -> QuerySide:
+        """This rank's queries (or those at global positions ``q_pos``, of the global query heads
+        ``heads``) as the key blocks of this call see them (one per call)."""
+        return QuerySide.of(self.q_pos() if q_pos is None else q_pos, self.seg_q, self.mods,
+                            self.query_heads() if heads is None else heads)
 
     def kernel_call(self, heads: int = 1) -> KernelCall:
         """What the engine is told of this call; ``heads``: the ranks its key/value heads are
         shared among (a head-sharded strategy)."""
         s = self.spec
-        return KernelCall(s.Hkv // heads, s.Ev, s.scale, s.acc_dtype, self.tile, self.finite)
+        return KernelCall(s.Hkv // heads, s.Ev, s.scale, s.acc_dtype, self.tile, self.finite,
+                          s.mask.max_logit)
 
     def attend(self, queries: QuerySide | None = None, heads: int = 1) -> Attend:
         """This rank's side of the call for the blocked runner (:mod:`mpiattn.strategies.blocked`):
         its queries (default :meth:`queries`) against key blocks at global positions."""
         return Attend(self.engine, self.kernel_call(heads), self.spec.mask,
-                      self.queries() if queries is None else queries, self.seg_k)
+                      self.queries() if queries is None else queries, self.seg_k, self.tally)
 
     def relaid(self, layout: Any) -> "Problem":
         """The same call with queries and keys in ``layout`` (the ids are global: unchanged)."""
@@ -141,8 +165,30 @@ def _check_arrays(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any]) -> A
     return xp
 
 
+def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
+    """The score modifiers' arrays checked (local); their host forms go into ``kept``; returns the
+    fields the ranks must agree on (presence, the slopes' and sinks' values, the mask's kind)."""
+    agreed: dict = {}
+    if scores.get("alibi_slopes") is not None:
+        kept["alibi"] = check_slopes(scores["alibi_slopes"], B, H)
+        agreed["alibi_slopes"] = tuple(map(float, kept["alibi"].ravel()))
+    if scores.get("sinks") is not None:
+        kept["sinks"] = check_sinks(scores["sinks"], H)
+        agreed["sinks"] = tuple(map(float, kept["sinks"]))
+    if scores.get("attn_mask") is not None:
+        kept["attn_mask"] = check_attn_mask(scores["attn_mask"], B, H, n)
+        a = kept["attn_mask"]
+        agreed["attn_mask (kind, batch, heads)"] = ("bool" if a.dtype == np.bool_ else "float",
+                                                    a.shape[0], a.shape[1])
+    if scores.get("mask_mod") is not None:
+        fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"])
+        agreed["mask_mod (its module and name)"] = (getattr(fn, "__module__", None),
+                                                    getattr(fn, "__qualname__", type(fn).__name__))
+    return agreed
+
+
 def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: dict,
-           segment_ids: Any, kv_segment_ids: Any, ids: dict) -> dict:
+           segment_ids: Any, kv_segment_ids: Any, ids: dict, scores: dict) -> dict:
     """This rank's view of the call (inside the validation allgather: errors are agreed)."""
     options = Options.of(settings.pop("options", None), **settings)
     if options.strategy != "auto":
@@ -162,9 +208,17 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
         ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
     if kv_segment_ids is not None:
         ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
+    kept: dict = {}
+    agreed = _scores(scores, B, H, n, kept)
+    ids["scores"] = kept
+    am = kept.get("attn_mask")
     here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
                                      padding=mask is not None, segments=segment_ids is not None,
-                                     kv_segments=kv_segment_ids is not None)
+                                     kv_segments=kv_segment_ids is not None,
+                                     alibi="alibi" in kept,
+                                     attn_mask=None if am is None else agreed[
+                                         "attn_mask (kind, batch, heads)"][0],
+                                     mask_mod="mask_mod" in kept, sinks="sinks" in kept)
     mask_spec = here.mask
     machine = None
     if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
@@ -175,6 +229,7 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
                 mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
             "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
                 None if machine is None else {**machine.to_dict(), "sources": None}),
+            "score modifiers": agreed, "_mask_keys": None if am is None else am.shape[3],
             "_n": n, "_m": m, "_spec": here, "_machine": machine,
             "_engine": (choice := engines.local_choice(options.engine, here)),
             "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
@@ -201,18 +256,20 @@ def _key_layout(options: Options, N: int, M: int) -> Any:
 
 # --------------------------------------------------------------- the call
 def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
-             settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None) -> Problem:
+             settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None,
+             scores: dict | None = None) -> Problem:
     """Check a call on every rank (one metadata allgather) and plan it: its :class:`Problem`.
 
     ``settings`` are the :class:`Options` keywords (and ``options``) the
-    caller passed. Raises the same (:class:`mpiattn.comm.errors.Agreed`)
+    caller passed; ``scores`` the score modifiers' arrays (``alibi_slopes``, ``sinks``,
+    ``attn_mask``, ``mask_mod``; None or absent: not used). Raises the same (:class:`mpiattn.comm.errors.Agreed`)
     ValueError/TypeError on every rank when any rank's arguments are bad or
     the ranks disagree; then chooses the device transport for CuPy arrays
     and gathers the document ids (collective points every rank reaches).
     """
     ids: dict = {}
     got = c.agree(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
-                                 kv_segment_ids, ids),
+                                 kv_segment_ids, ids, scores or {}),
                   call="attention_backward" if "dout" in extra else "attention")
     with errors.alike():  # from here on every rank decides on the same gathered data
         here: AttentionSpec = got[0]["_spec"]
@@ -227,6 +284,10 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
                 "kv_segment_ids omitted: the keys take the queries' document ids, which needs "
                 f"N == M and one layout for queries and keys (here N = {N}, M = {M}, layouts "
                 f"{describe(options.layout)} and {describe(kv_layout)}); pass kv_segment_ids")
+        bad = [r for r, g in enumerate(got) if g["_mask_keys"] not in (None, M)]
+        if bad:
+            raise ValueError(f"attn_mask must span every key: its last axis must be M = {M} (the "
+                             f"global key length), but rank {bad[0]} has {got[bad[0]]['_mask_keys']}")
         engine_name, engine_reason = _agree_engine([g["_engine"] for g in got], options.engine)
         tiles = [g["_tile"] for g in got if g["_tile"]]
         spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None,
@@ -240,6 +301,11 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
     if spec.mask.segments:
         seg_q = global_rows(c, ids["q"], N, spec.layout)
         seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
+    kept = ids["scores"]
+    mods = None
+    if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
+        mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
+                         kept.get("mask_mod"), spec.B)
     return Problem(spec, c.size, c.rank, strategy, engine, int(block),
                    int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
-                   engine_reason, seg_q, seg_k)
+                   engine_reason, seg_q, seg_k, mods, kept.get("sinks"))

@@ -26,6 +26,7 @@ import numpy as np
 from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
 from ..masks import MaskSpec, check_causal, check_window, diagonal, softmax_scale
+from ..masks.modifiers import check_softcap
 
 __all__ = ["Options", "AttentionSpec", "SKIP_FINITE"]
 
@@ -70,6 +71,12 @@ class Options:
         ``"hybrid"``): a profile of :data:`mpiattn.strategies.machines.PROFILES`
         or a JSON file written by ``python -m mpiattn calibrate``; default the
         environment variable ``MPIATTN_MACHINE``, else the device's profile.
+    softcap : float, optional
+        Cap the scores: ``c tanh(scale q . k / c)`` before any bias or mask
+        (Gemma 2; :mod:`mpiattn.masks.modifiers`).
+    max_logit : bool
+        Return the largest ``scale q . k`` of a visible pair per query head
+        (``details["max_logit"]``, float64 ``(H,)``, over every rank).
 
     Raises
     ------
@@ -88,6 +95,8 @@ class Options:
     block_size: int | None = None
     check_finite: bool = True
     machine: str | None = None
+    softcap: float | None = None
+    max_logit: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "causal", check_causal(self.causal))
@@ -108,6 +117,10 @@ class Options:
             raise TypeError(f"machine must be a profile name or a file path (str), got {self.machine!r}")
         object.__setattr__(self, "block_size", check_block_size(self.block_size, "attention"))
         object.__setattr__(self, "check_finite", bool(self.check_finite))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        if not isinstance(self.max_logit, (bool, np.bool_)):
+            raise TypeError(f"max_logit must be True or False, got {self.max_logit!r}")
+        object.__setattr__(self, "max_logit", bool(self.max_logit))
 
     @classmethod
     def of(cls, options: "Options | None" = None, **keywords: Any) -> "Options":
@@ -193,10 +206,12 @@ class AttentionSpec:
     @classmethod
     def from_shapes(cls, q: tuple, k: tuple, v: tuple, dtype: Any, options: Options | None = None,
                     *, device: str = "numpy", padding: bool = False, segments: bool = False,
-                    kv_segments: bool = False) -> "AttentionSpec":
+                    kv_segments: bool = False, alibi: bool = False, attn_mask: str | None = None,
+                    mask_mod: bool = False, sinks: bool = False) -> "AttentionSpec":
         """The spec of a call on shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M,
         Ev)``: the one constructor (global shapes to plan or estimate a run; a rank's local
-        shapes inside a validation, whose agreement then sets the global lengths).
+        shapes inside a validation, whose agreement then sets the global lengths). The
+        keywords say which arrays come beside them (``attn_mask``: ``"bool"`` or ``"float"``).
 
         The shapes are trusted (checked where arrays are read).
         """
@@ -204,7 +219,8 @@ class AttentionSpec:
         B, H, N, E = (int(x) for x in q)
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
         mask = MaskSpec(bool(o.causal), o.window, segments, kv_segments, padding,
-                        diagonal(o.causal, N, M))
+                        diagonal(o.causal, N, M), o.softcap, alibi, attn_mask, mask_mod, sinks,
+                        o.max_logit)
         return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device, softmax_scale(o.scale, E), mask,
                    o.layout, o.layout if o.kv_layout is None else o.kv_layout, o)
 

@@ -19,7 +19,6 @@ import numpy as np
 from .. import backend
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
-from ..masks import QuerySide
 from ..masks.ids import global_rows
 from .base import Phase, Strategy, blocked_memory, sends_out, spread_phase
 from .blocked import KeyBlock, run_backward, run_forward
@@ -71,7 +70,9 @@ def _whole(c: Comm, pb: Any, kh: Any, vh: Any, mask: Any, grads: tuple = ()) -> 
     """This rank's heads of every query against one block of every key (the runner's input)."""
     s = pb.spec
     pad = global_rows(c, mask, s.M, s.kv_layout) if s.mask.padding else None
-    attend = pb.attend(QuerySide.of(np.arange(s.N), pb.seg_q), heads=pb.P)
+    hp = s.H // pb.P
+    attend = pb.attend(pb.queries(np.arange(s.N), np.arange(pb.rank * hp, (pb.rank + 1) * hp)),
+                       heads=pb.P)
     return attend, [KeyBlock(kh, vh, np.arange(s.M), pad, *grads)]
 
 
@@ -82,6 +83,9 @@ class Ulysses(Strategy):
 
     def supports(self, spec: Any, topology: Any) -> str | None:
         P = topology.P
+        if spec.mask.attn_mask is not None and P > 1:
+            return ("strategy 'ulysses' does not move an attn_mask's rows to the heads' ranks; use "
+                    "'ring' or 'allgather', or a mask_mod")
         if spec.H % P or spec.Hkv % P:
             return (f"strategy 'ulysses' needs the query heads H = {spec.H} and key/value heads "
                     f"Hkv = {spec.Hkv} divisible by the number of ranks ({P}); use 'ring' or "

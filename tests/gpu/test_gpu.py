@@ -420,6 +420,43 @@ def test_ring_attention_on_fake_device(fake_comm, fake, monkeypatch, transport):
         np.testing.assert_allclose(host(g), ref, rtol=1e-12, atol=1e-12)
 
 
+def test_score_modifiers_on_fake_device(fake_comm, fake, monkeypatch):
+    """Softcap, ALiBi, a float attn_mask, a mask_mod, sinks and max_logit on "device" arrays (the
+    device kernels' generic path) equal the NumPy run, forward and backward."""
+    import mpiattn
+
+    c = fake_comm
+    fake_cupy._state.bus_id = f"0000:{c.rank:02x}:00.0"
+    monkeypatch.setenv("MPIATTN_GPU_TRANSPORT", "staged")
+    rng = np.random.default_rng(11)
+    N, H = 17, 2
+    q, k, v, do = (rng.standard_normal((1, H, N, 4)) for _ in range(4))
+    rows = mpiattn.partition(N, c.mpi, layout="zigzag")
+    mask = rng.standard_normal((1, H, N, N))
+    mask[0, 0, :, :3] = -np.inf
+    mods = dict(alibi_slopes=np.array([0.3, 0.1]), sinks=np.array([0.5, -1.0]),
+                mask_mod=lambda b, h, i, j: (i // 5) == (j // 5) | (j < 2))
+    kw = dict(causal=True, layout="zigzag", strategy="ring", block_size=3, softcap=1.3, **mods)
+    mine = [x[..., rows, :] for x in (q, k, v, do)]
+    mine_mask = mask[..., rows, :]
+    want = {}
+    ref_out, ref_lse = mpiattn.attention(*mine[:3], c, attn_mask=mine_mask, max_logit=True,
+                                         details=want, **kw)
+    ref_grads = mpiattn.attention_backward(mine[3], *mine[:3], ref_out, ref_lse, c,
+                                           attn_mask=mine_mask, **kw)
+    dev = [fake.asarray(x) for x in mine]
+    got = {}
+    out, lse = mpiattn.attention(*dev[:3], c, attn_mask=fake.asarray(mine_mask), max_logit=True,
+                                 details=got, **kw)
+    grads = mpiattn.attention_backward(dev[3], *dev[:3], out, lse, c,
+                                       attn_mask=fake.asarray(mine_mask), **kw)
+    np.testing.assert_allclose(host(out), ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(host(lse), ref_lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(got["max_logit"], want["max_logit"])
+    for g, ref in zip(grads, ref_grads):
+        np.testing.assert_allclose(host(g), ref, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_staged_send_is_posted_while_the_sender_computes(fake_comm, fake, monkeypatch):
     """F4: the MPI send goes out once its copy finished, without another transport call.

@@ -1,0 +1,210 @@
+"""Score modifiers: how the score of a visible pair is formed beyond ``s q_i . k_j``.
+
+With ``x = s q_i . k_j`` (``s`` the scale), global positions ``i``, ``j``,
+``d`` the call's diagonal (:func:`mpiattn.masks.diagonal`), batch entry
+``b`` and global query head ``h``, a call's score is::
+
+    y = c tanh(x / c)                  softcap c           (dy/dx = 1 - (y / c)^2)
+    y += -slope[b, h] |i + d - j|      ALiBi               (no gradient to the slopes)
+    y += mask[b, h, i, j]              a float attn_mask
+    hidden where not mask[b, h, i, j]  a bool attn_mask    (True = the pair takes part)
+    hidden where not mask_mod(b, h, i, j)
+
+and a hidden pair takes no part (as the rules of :mod:`mpiattn.masks.spec`,
+which combine with these by AND). Sinks enter the softmax itself
+(:mod:`mpiattn.masks.sinks`). :class:`Modifiers` holds one rank's arrays of
+a call; :class:`mpiattn.masks.BlockMask` asks it, tile by tile, which pairs
+it hides and what it adds, so that every engine and strategy reads the same
+rules. Everything here is host (NumPy) work on positions: a tile's answer
+is uploaded once where the engine runs on a device.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import backend
+
+__all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_softcap", "check_slopes", "check_attn_mask",
+           "check_mask_mod", "fold_tile", "softcap_"]
+
+#: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
+MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
+
+#: The modifiers an engine applies (and declares, :class:`mpiattn.kernels.engine.Capabilities`);
+#: the sinks are added to each row once its blocks are merged, whatever the engine.
+ENGINE_MODIFIERS = tuple(m for m in MODIFIERS if m != "sinks")
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap`` as a float > 0, or None (no cap). Raises TypeError / ValueError otherwise."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c > 0):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+    return c
+
+
+def _host_floats(name: str, x: Any) -> np.ndarray:
+    a = backend.to_host(x)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} must hold real numbers, got dtype {a.dtype}")
+    a = np.asarray(a, dtype=np.float64)
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name} contains NaN or Inf")
+    return a
+
+
+def check_slopes(slopes: Any, B: int, H: int) -> np.ndarray:
+    """ALiBi slopes ``(H,)`` or ``(B, H)`` as a host float64 ``(1 or B, H)`` array (checked)."""
+    a = _host_floats("alibi_slopes", slopes)
+    if a.shape == (H,):
+        return a[None]
+    if a.shape == (B, H):
+        return a
+    raise ValueError(f"alibi_slopes must have shape (H,) = ({H},) or (B, H) = ({B}, {H}), got {a.shape}")
+
+
+def check_attn_mask(mask: Any, B: int, H: int, n: int) -> np.ndarray:
+    """This rank's rows of an ``attn_mask``, ``(1 or B, 1 or H, n, M)``, bool or float, as a host
+    array (bool, or float64). The key axis ``M`` is checked once the ranks agree on ``M``."""
+    a = backend.to_host(mask)
+    if a.ndim != 4:
+        raise ValueError("attn_mask must be 4-D (B or 1, H or 1, this rank's query rows, M), got "
+                         f"shape {a.shape}")
+    if a.shape[0] not in (1, B) or a.shape[1] not in (1, H) or a.shape[2] != n:
+        raise ValueError(f"attn_mask must have shape (1 or {B}, 1 or {H}, {n}, M) here (this rank's "
+                         f"{n} query rows), got {a.shape}")
+    if a.dtype == np.bool_:
+        return a
+    if a.dtype.kind != "f":
+        raise TypeError(f"attn_mask must be bool (True = the pair takes part) or floating point "
+                        f"(added to the scores), got {a.dtype}")
+    a = np.asarray(a, dtype=np.float64)
+    if np.isnan(a).any() or np.isposinf(a).any():
+        raise ValueError("a float attn_mask may hold -inf (hidden) but not NaN or +inf")
+    return a
+
+
+def check_mask_mod(fn: Any) -> Callable:
+    """``fn`` if it is a callable that answers one probe ``fn(b, h, q_idx, kv_idx)`` (int64
+    arrays of shape (1, 1, 1, 1)) with a bool array; else TypeError."""
+    if not callable(fn):
+        raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool array, got {fn!r}")
+    zero = np.zeros((1, 1, 1, 1), dtype=np.int64)
+    got = np.asarray(fn(zero, zero, zero, zero))
+    if got.dtype != np.bool_:
+        raise TypeError(f"mask_mod must return a bool array (True = visible), got dtype {got.dtype}")
+    return fn
+
+
+def fold_tile(a: np.ndarray, hkv: int, group: int) -> np.ndarray:
+    """``(Bx, Hx, r, k)`` per query head (``Hx`` 1 or ``hkv * group``) -> the engines' folded rows
+    ``(Bx, 1 or hkv, r * group, k)`` (row ``i * group + g`` is query head ``kv * group + g``)."""
+    Bx, Hx, r, k = a.shape
+    if Hx == 1:
+        return np.repeat(a, group, axis=2) if group > 1 else a
+    return a.reshape(Bx, hkv, group, r, k).transpose(0, 1, 3, 2, 4).reshape(Bx, hkv, r * group, k)
+
+
+def softcap_(S: Any, c: float) -> Any:
+    """``S <- c tanh(S / c)`` in place; returns ``S``. ``t = S / c`` is the tanh the backward needs."""
+    xp = backend.array_module(S)
+    S *= S.dtype.type(1.0 / c)
+    xp.tanh(S, out=S)
+    S *= S.dtype.type(c)
+    return S
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """One rank's score modifiers of a call (see the module docstring).
+
+    Attributes
+    ----------
+    softcap : float or None
+    alibi : (1 or B, H) float64 host array or None
+        The ALiBi slopes of every query head.
+    attn_mask : (1 or B, 1 or H, n_r, M) host array or None
+        This rank's query rows of the mask (bool: True = visible; float64: added).
+    mask_mod : callable or None
+        ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on broadcasting int64 arrays of
+        global indices (True = visible); the same function on every rank (the caller's
+        duty: its name is compared, not its code).
+    B : int
+        The batch size (``mask_mod``'s ``b`` runs over ``range(B)``).
+    """
+
+    softcap: float | None = None
+    alibi: np.ndarray | None = None
+    attn_mask: np.ndarray | None = None
+    mask_mod: Callable | None = None
+    B: int = 1
+
+    def __post_init__(self) -> None:
+        m = self.attn_mask
+        object.__setattr__(self, "_mask_hides", m is not None and (
+            m.dtype == np.bool_ or bool(np.isneginf(m).any())))
+
+    @property
+    def hides(self) -> bool:
+        """Some pairs may be hidden: a bool ``attn_mask``, a float one holding ``-inf``, or a
+        ``mask_mod``."""
+        return self.mask_mod is not None or self._mask_hides
+
+    @property
+    def adds(self) -> bool:
+        """Something is added to the scores: ALiBi or a float ``attn_mask``."""
+        return self.alibi is not None or (self.attn_mask is not None
+                                          and self.attn_mask.dtype != np.bool_)
+
+    def visible(self, heads: np.ndarray, rows: np.ndarray, q_pos: np.ndarray,
+                k_pos: np.ndarray) -> np.ndarray | None:
+        """Bool ``(Bx, Hx, r, k)`` (``Bx`` 1 or B, ``Hx`` 1 or ``len(heads)``): True where neither
+        the ``attn_mask`` (False, or -inf) nor ``mask_mod`` hides the pair; None when nothing hides.
+
+        ``heads``: the global query heads; ``rows``: the queries' rows of ``attn_mask``;
+        ``q_pos``, ``k_pos``: global positions of the queries and keys.
+        """
+        ok = None
+        if self._mask_hides:  # a float mask hides where it is -inf
+            ok = self._mask_rows(heads, rows, k_pos)
+            if ok.dtype != np.bool_:
+                ok = ok > -np.inf
+        if self.mask_mod is not None:
+            b = np.arange(max(self.B, 1), dtype=np.int64)[:, None, None, None]
+            h = np.asarray(heads, dtype=np.int64)[None, :, None, None]
+            got = np.asarray(self.mask_mod(b, h, np.asarray(q_pos, np.int64)[None, None, :, None],
+                                           np.asarray(k_pos, np.int64)[None, None, None, :]))
+            if got.dtype != np.bool_:
+                raise TypeError(f"mask_mod returned dtype {got.dtype}, not bool")
+            got = got.reshape((1,) * (4 - got.ndim) + got.shape)
+            ok = got if ok is None else ok & got
+        return ok
+
+    def added(self, heads: np.ndarray, rows: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+              diagonal: int) -> np.ndarray | None:
+        """Float64 ``(Bx, Hx, r, k)`` added to the scores (ALiBi and a float ``attn_mask``), or None."""
+        out = None
+        if self.alibi is not None:
+            dist = np.abs(np.asarray(q_pos, np.int64)[:, None] + int(diagonal)
+                          - np.asarray(k_pos, np.int64)[None, :]).astype(np.float64)
+            out = -self.alibi[:, np.asarray(heads, dtype=np.int64), None, None] * dist[None, None]
+        if self.attn_mask is not None and self.attn_mask.dtype != np.bool_:
+            m = self._mask_rows(heads, rows, k_pos)
+            out = m if out is None else out + m
+        return out
+
+    def _mask_rows(self, heads: np.ndarray, rows: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+        m = self.attn_mask
+        if m.shape[1] > 1:
+            m = m[:, np.asarray(heads, dtype=np.int64)]
+        return m[:, :, np.asarray(rows, dtype=np.int64)][..., np.asarray(k_pos, dtype=np.int64)]
