@@ -296,6 +296,9 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
                 raw = _raw_scores(xp, st, r0, r1, lead + (r1 - r0,), kt)
                 _formed(xp, st, raw, mask, (i0, i1, j0, j1), r0, r1, group, vis, bias)
                 _tile_exact(xp, st, r0, r1, raw, vc)
+            elif mask.formed:  # ALiBi, a float mask: scores that grow along a row, every tile exact
+                _tile_exact(xp, st, r0, r1, _shifted_scores(xp, st, r0, r1, lead + (r1 - r0,), kt,
+                                                            bias), vc, shifted=True)
             else:
                 _tile_generic(xp, st, r0, r1, lead + (r1 - r0,), kt, vc, bias)
 
@@ -321,11 +324,27 @@ def _formed(xp: Any, st: Any, S: Any, mask: BlockMask, tile: tuple, r0: int, r1:
         S += bias
 
 
-def _tile_exact(xp: Any, st: ForwardState, r0: int, r1: int, S: Any, vc: Any) -> None:
-    """One tile of scores ``S = y`` (any values), folded in with exact row maxima."""
+def _shifted_scores(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: Any,
+                    bias: Any) -> Any:
+    """``y - c`` of a tile, ``c`` the rows' current shift (0 where none yet), the shift folded
+    into the GEMM; ``bias`` added."""
+    E = st.qa.shape[-1] - 1
+    m = st.m[..., r0:r1]
+    st.qa[..., r0:r1, E] = xp.where(xp.isneginf(m), m.dtype.type(0), -m)
+    S = xp.matmul(st.qa[..., r0:r1, :], kt, out=st.ws.get("S", rows + (kt.shape[-1],), st.qa.dtype))
+    if bias is not None:
+        S += bias
+    return S
+
+
+def _tile_exact(xp: Any, st: ForwardState, r0: int, r1: int, S: Any, vc: Any,
+                shifted: bool = False) -> None:
+    """One tile of scores ``S = y`` (any values; ``shifted``: ``y - c`` already), folded in with
+    exact row maxima."""
     Ev = vc.shape[-1] - 1
     m = st.m[..., r0:r1]
-    S -= xp.where(xp.isneginf(m), m.dtype.type(0), m)[..., None]
+    if not shifted:
+        S -= xp.where(xp.isneginf(m), m.dtype.type(0), m)[..., None]
     _rebase(xp, st, S, S.max(axis=-1, out=st.ws.get("r", S.shape[:-1], S.dtype)), r0, r1)
     xp.exp(S, out=S)
     pv = xp.matmul(S, vc, out=st.ws.get("pv", S.shape[:-1] + (Ev + 1,), S.dtype))

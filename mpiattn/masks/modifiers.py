@@ -139,8 +139,8 @@ class Modifiers:
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on broadcasting int64 arrays of
         global indices (True = visible); the same function on every rank (the caller's
         duty: its name is compared, not its code).
-    B : int
-        The batch size (``mask_mod``'s ``b`` runs over ``range(B)``).
+    B, H : int
+        The batch size and the query heads (``mask_mod``'s ``b`` and ``h`` range over them).
     """
 
     softcap: float | None = None
@@ -148,11 +148,30 @@ class Modifiers:
     attn_mask: np.ndarray | None = None
     mask_mod: Callable | None = None
     B: int = 1
+    H: int = 1
 
     def __post_init__(self) -> None:
         m = self.attn_mask
         object.__setattr__(self, "_mask_hides", m is not None and (
             m.dtype == np.bool_ or bool(np.isneginf(m).any())))
+        object.__setattr__(self, "_mod_shape", (1, 1) if self.mask_mod is None else self._probe())
+
+    def _probe(self) -> tuple[int, int]:
+        """Whether ``mask_mod`` reads the batch and head indices: ``(1 or B, 1 or H)`` of its
+        answer on every ``b`` and ``h`` at one pair (sizes a region's cost)."""
+        b = np.arange(max(self.B, 1), dtype=np.int64)[:, None, None, None]
+        h = np.arange(max(self.H, 1), dtype=np.int64)[None, :, None, None]
+        zero = np.zeros((1, 1, 1, 1), dtype=np.int64)
+        got = np.asarray(self.mask_mod(b, h, zero, zero))
+        got = got.reshape((1,) * (4 - got.ndim) + got.shape)
+        return int(got.shape[0]), int(got.shape[1])
+
+    def cost(self, pairs: int, heads: int) -> int:
+        """How many entries the hiding modifiers answer for ``pairs`` (query, key) pairs of
+        ``heads`` query heads (the size of :meth:`visible`'s answer)."""
+        mb, mh = self._mod_shape
+        ab, ah = (1, 1) if self.attn_mask is None else self.attn_mask.shape[:2]
+        return pairs * max(mb, ab) * (heads if max(mh, ah) > 1 else 1)
 
     @property
     def hides(self) -> bool:
@@ -191,15 +210,25 @@ class Modifiers:
         return ok
 
     def added(self, heads: np.ndarray, rows: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-              diagonal: int) -> np.ndarray | None:
-        """Float64 ``(Bx, Hx, r, k)`` added to the scores (ALiBi and a float ``attn_mask``), or None."""
+              diagonal: int, group: int = 1, dtype: Any = np.float64) -> np.ndarray | None:
+        """What is added to the scores (ALiBi and a float ``attn_mask``) in the engines' folded rows,
+        ``(Bx, 1 or hkv, r * group, k)`` in ``dtype`` (:func:`fold_tile`), or None.
+
+        ``heads`` are the global query heads of the engine's ``hkv * group`` heads.
+        """
+        dt = np.dtype(dtype)
         out = None
-        if self.alibi is not None:
-            dist = np.abs(np.asarray(q_pos, np.int64)[:, None] + int(diagonal)
-                          - np.asarray(k_pos, np.int64)[None, :]).astype(np.float64)
-            out = -self.alibi[:, np.asarray(heads, dtype=np.int64), None, None] * dist[None, None]
+        if self.alibi is not None:  # written straight into the folded rows: (Bs, hkv, r, G, k)
+            h = np.asarray(heads, dtype=np.int64)
+            hkv = max(h.size // group, 1)
+            q = np.asarray(q_pos).astype(dt)[:, None] + dt.type(diagonal)
+            dist = np.abs(q - np.asarray(k_pos).astype(dt)[None, :])[None, None, :, None, :]
+            slopes = -self.alibi[:, h].astype(dt).reshape(-1, hkv, 1, group, 1)
+            out = np.multiply(slopes, dist)
+            out = out.reshape(out.shape[0], hkv, dist.shape[2] * group, dist.shape[4])
         if self.attn_mask is not None and self.attn_mask.dtype != np.bool_:
-            m = self._mask_rows(heads, rows, k_pos)
+            h = np.asarray(heads, dtype=np.int64)
+            m = fold_tile(self._mask_rows(heads, rows, k_pos).astype(dt), max(h.size // group, 1), group)
             out = m if out is None else out + m
         return out
 

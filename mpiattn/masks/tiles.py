@@ -237,8 +237,7 @@ class BlockMask:
             (a0, a1, b0, b1), ok = self._mod
             if a0 <= i0 and i1 <= a1 and b0 <= j0 and j1 <= b1:
                 return ok[:, :, i0 - a0:i1 - a0, j0 - b0:j1 - b0]
-        nb = self.mods.B if self.mods.mask_mod is not None else 1
-        if (i1 - i0) * (j1 - j0) * max(nb, 1) * len(self.heads) > MOD_LIMIT:
+        if self.mods.cost((i1 - i0) * (j1 - j0), len(self.heads)) > MOD_LIMIT:
             return None
         ok = self.mods.visible(self.heads, self.rows[i0:i1], self.q_pos[i0:i1], self.k_pos[j0:j1])
         self._mod = ((i0, i1, j0, j1), ok)
@@ -346,15 +345,13 @@ class BlockMask:
                                        self.k_pos[j0:j1])
             if mv is not None:
                 ok = ok & mv
-            out = np.where(ok, dt.type(0), dt.type(-np.inf))
+            hkv = max(len(self.heads) // group, 1) if self.heads is not None else 1
+            out = fold_tile(np.where(ok, dt.type(0), dt.type(-np.inf)), hkv, group)
         if added and self.mods is not None and self.mods.adds:
             add = self.mods.added(self.heads, self.rows[i0:i1], self.q_pos[i0:i1],
-                                  self.k_pos[j0:j1], self.diagonal).astype(dt)
+                                  self.k_pos[j0:j1], self.diagonal, group, dt)
             out = add if out is None else out + add
-        if out is None:
-            return None
-        hkv = max(len(self.heads) // group, 1) if self.heads is not None else 1
-        return fold_tile(out, hkv, group)
+        return out
 
     def hidden(self, xp: Any, i0: int, i1: int, j0: int, j1: int, dtype: Any, group: int = 1,
                vis: str | None = None) -> Any:

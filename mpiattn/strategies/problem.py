@@ -305,7 +305,7 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
     mods = None
     if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
         mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
-                         kept.get("mask_mod"), spec.B)
+                         kept.get("mask_mod"), spec.B, spec.H)
     return Problem(spec, c.size, c.rank, strategy, engine, int(block),
                    int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
                    engine_reason, seg_q, seg_k, mods, kept.get("sinks"))

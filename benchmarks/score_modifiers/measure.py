@@ -1,0 +1,80 @@
+"""What the score modifiers cost (issue 28's targets), as ratios measured in one run.
+
+    python benchmarks/score_modifiers/measure.py cost          # one rank: softcap, sinks, ALiBi
+    mpiexec -n P python benchmarks/score_modifiers/measure.py skip   # block-diagonal mask_mod
+
+``cost``: N = 16384, H = 8, E = 64, float32, causal, the native engine: each modifier's
+forward and forward + backward time over the plain call's. ``skip``: a block-diagonal
+``mask_mod`` of 16 blocks against the full (unmasked) forward at the same shape. Prints one
+JSON line per measurement (the best of ``--repeat`` runs). Run it on an idle machine, with
+one BLAS thread per rank.
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+import mpiattn
+from mpiattn.comm import get_comm
+
+
+def best(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def cost(args):
+    rng = np.random.default_rng(0)
+    N, H, E = args.N, 8, 64
+    q, k, v, do = (rng.standard_normal((1, H, N, E)).astype(np.float32) for _ in range(4))
+    variants = {"plain": {}, "softcap": {"softcap": 30.0}, "sinks": {"sinks": rng.standard_normal(H)},
+                "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)}}
+    base = {}
+    for name, kw in variants.items():
+        opts = dict(causal=True, engine="native", strategy="ring", check_finite=False, **kw)
+        fwd = best(lambda: mpiattn.attention(q, k, v, **opts), args.repeat)
+        out, lse = mpiattn.attention(q, k, v, **opts)
+        both = fwd + best(lambda: mpiattn.attention_backward(do, q, k, v, out, lse, **opts), args.repeat)
+        if name == "plain":
+            base = {"forward": fwd, "forward+backward": both}
+        print(json.dumps({"case": name, "N": N, "forward_s": round(fwd, 3),
+                          "forward+backward_s": round(both, 3),
+                          "forward_ratio": round(fwd / base["forward"], 3),
+                          "forward+backward_ratio": round(both / base["forward+backward"], 3)}),
+              flush=True)
+
+
+def skip(args):
+    c = get_comm()
+    rng = np.random.default_rng(1)
+    N, H, E, blocks = args.N, 8, 64, 16
+    width = N // blocks
+    Q, K, V = (rng.standard_normal((1, H, N, E)).astype(np.float32) for _ in range(3))
+    q, k, v = (mpiattn.shard(x) for x in (Q, K, V))
+    diag = lambda b, h, i, j: (i // width) == (j // width)  # noqa: E731
+    opts = dict(engine="native", strategy="ring", check_finite=False)
+    c.barrier()
+    full = best(lambda: mpiattn.attention(q, k, v, **opts), args.repeat)
+    c.barrier()
+    masked = best(lambda: mpiattn.attention(q, k, v, mask_mod=diag, **opts), args.repeat)
+    got = c.allgather_obj((full, masked))
+    slow = (max(g[0] for g in got), max(g[1] for g in got))
+    if c.rank == 0:
+        print(json.dumps({"case": "block-diagonal mask_mod", "blocks": blocks, "N": N, "P": c.size,
+                          "full_s": round(slow[0], 3), "masked_s": round(slow[1], 3),
+                          "ratio": round(slow[1] / slow[0], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["cost", "skip"])
+    ap.add_argument("--N", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=2)
+    a = ap.parse_args()
+    cost(a) if a.what == "cost" else skip(a)
