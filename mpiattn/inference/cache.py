@@ -33,6 +33,8 @@ from ..io.publishing import Outputs
 from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
+from ..masks.modifiers import check_slopes
+from ..masks.sinks import check_sinks
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE, Options
 from .decode import checksum, decode, step_spec
@@ -299,6 +301,7 @@ class KVCache:
 
     # ------------------------------------------------------------- attending
     def attend(self, q: Any, *, causal: bool = True, window: Any = None, scale: float | None = None,
+               softcap: float | None = None, alibi_slopes: Any = None, sinks: Any = None,
                engine: str = "auto", check_finite: bool = True,
                details: dict | None = None) -> tuple[Any, Any]:
         """Decode: ``t`` new queries, the same on every rank, against the whole cache (collective).
@@ -319,6 +322,9 @@ class KVCache:
             Keys ``p - left <= j <= p + right`` of a query at position ``p``.
         scale : float, optional
             Default ``1/sqrt(E)``.
+        softcap, alibi_slopes, sinks : optional
+            Score modifiers, as in :func:`mpiattn.attention` (ALiBi measures ``|p - j|``
+            between absolute positions; the sinks join the merged rows), the same on every rank.
         engine : str
             ``"auto"`` (native) or a registered engine.
         check_finite : bool
@@ -335,11 +341,13 @@ class KVCache:
             a query that sees no key.
         """
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
-                        engine=engine, check_finite=check_finite)
-        return decode(self.comm, self.shard, self.length, q, settings, details)
+                        softcap=softcap, engine=engine, check_finite=check_finite)
+        return decode(self.comm, self.shard, self.length, q, settings, details,
+                      {"alibi_slopes": alibi_slopes, "sinks": sinks})
 
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
-                window: Any = None, scale: float | None = None, engine: str = "auto",
+                window: Any = None, scale: float | None = None, softcap: float | None = None,
+                alibi_slopes: Any = None, sinks: Any = None, engine: str = "auto",
                 check_finite: bool = True, append: bool = True, machine: str | None = None,
                 details: dict | None = None) -> tuple[Any, Any]:
         """Chunked prefill: a sharded chunk attends the cache and itself, bottom-right causal (collective).
@@ -356,7 +364,7 @@ class KVCache:
         variant : {"auto", "pass-kv", "pass-q"}
             :mod:`mpiattn.inference.prefill`; ``auto`` asks its cost rule on
             ``machine`` (a profile or calibration file; default the device's).
-        window, scale, engine, check_finite
+        window, scale, softcap, alibi_slopes, sinks, engine, check_finite
             As in :meth:`attend`.
         append : bool
             Keep the chunk's rows in the cache afterwards (each rank its own).
@@ -374,7 +382,9 @@ class KVCache:
             On every rank alike.
         """
         c, s = self.comm, self.shard
-        options = dict(window=window, scale=scale, engine=engine, check_finite=check_finite)
+        options = dict(window=window, scale=scale, softcap=softcap, engine=engine,
+                       check_finite=check_finite)
+        kept: dict = {}
 
         def local() -> dict:
             o = Options.of(None, **options, layout=layout)
@@ -394,9 +404,17 @@ class KVCache:
                 raise ValueError(f"prefill: q {q.shape}, k {k.shape}, v {v.shape}: heads must be a "
                                  f"multiple of {s.Hkv} and the rows the same")
             name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
-            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True))
-            return {"q's heads": int(q.shape[1]), **o.by_field(), "variant": variant,
+            H = int(q.shape[1])
+            if alibi_slopes is not None:
+                kept["alibi"] = check_slopes(alibi_slopes, s.B, H)
+            if sinks is not None:
+                kept["sinks"] = check_sinks(sinks, H)
+            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
+                             alibi="alibi" in kept, sinks="sinks" in kept)
+            return {"q's heads": H, **o.by_field(), "variant": variant,
                     "machine": name, "_n": int(q.shape[2]), "_spec": spec,
+                    "alibi_slopes (CRC-32)": checksum(kept["alibi"]) if "alibi" in kept else None,
+                    "sinks (CRC-32)": checksum(kept["sinks"]) if "sinks" in kept else None,
                     "_engine": engines.local_choice(engine, spec)}
 
         got = c.agree(local)
@@ -415,12 +433,14 @@ class KVCache:
                 chosen, reason = ch.variant, ch.reason
         chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
         if chosen == "pass-kv":
-            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options)
+            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options,
+                               kept.get("alibi"), kept.get("sinks"))
         else:
             prepare(c, q, k, v)
             with c.abort_on_error():
                 out, lse = pass_q(c, s, self.length, q, k, v, chunk_pos, counts,
-                                  engines.get(got[0]["_engine"][0]), got[0]["_spec"], check_finite)
+                                  engines.get(got[0]["_engine"][0]), got[0]["_spec"], check_finite,
+                                  kept.get("alibi"), kept.get("sinks"))
         if details is not None:
             details.update({"variant": chosen, "reason": reason})
         if append:

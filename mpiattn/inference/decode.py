@@ -32,6 +32,8 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import engines
+from ..masks.modifiers import Modifiers, check_slopes
+from ..masks.sinks import add_sinks, check_sinks
 from ..strategies import model
 from ..strategies.machines import Machine
 from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
@@ -57,18 +59,19 @@ class Step:
         return {"engine": self.engine, "blocks": self.blocks, "merge_words": self.merge_words}
 
 
-def step_spec(shard: Shard, length: int, q: Any, options: Options) -> AttentionSpec:
+def step_spec(shard: Shard, length: int, q: Any, options: Options, **modifiers: Any) -> AttentionSpec:
     """The call of queries ``q (B, H, t, E)`` against the ``length`` rows of ``shard``'s cache as an
-    :class:`AttentionSpec` (:meth:`~AttentionSpec.from_shapes`), bottom-right aligned when causal
-    (what engines' declared capabilities are read on)."""
+    :class:`AttentionSpec` (:meth:`~AttentionSpec.from_shapes`; ``modifiers``: its ``alibi`` and
+    ``sinks`` flags), bottom-right aligned when causal (what engines' declared capabilities are
+    read on)."""
     B, H, t, E = q.shape
     o = Options.of(options, causal="bottom-right" if options.causal else False, layout="contiguous",
                    kv_layout="contiguous")
     return AttentionSpec.from_shapes(q.shape, (B, shard.Hkv, length, E), (B, shard.Hkv, length, shard.Ev),
-                                     q.dtype, o, device=backend.array_module(q).__name__)
+                                     q.dtype, o, device=backend.array_module(q).__name__, **modifiers)
 
 
-def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
+def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> dict:
     """This rank's checks of a step (inside the validation allgather: errors are agreed)."""
     options = Options.of(None, **settings)
     if options.engine not in engines.NAMES:
@@ -93,14 +96,19 @@ def _local(shard: Shard, length: int, q: Any, settings: dict) -> dict:
         raise ValueError("q holds no new token (t = 0)")
     if options.check_finite and not bool(xp.isfinite(q).all()):
         raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
-    spec = step_spec(shard, length, q, options)
+    slopes = None if scores.get("alibi_slopes") is None else check_slopes(scores["alibi_slopes"], B, H)
+    sinks = None if scores.get("sinks") is None else check_sinks(scores["sinks"], H)
+    spec = step_spec(shard, length, q, options, alibi=slopes is not None, sinks=sinks is not None)
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
             "q's values (CRC-32)": checksum(q), **options.by_field(),
-            "_spec": spec, "_engine": engines.local_choice(options.engine, spec)}
+            "alibi_slopes (CRC-32)": None if slopes is None else checksum(slopes),
+            "sinks (CRC-32)": None if sinks is None else checksum(sinks),
+            "_spec": spec, "_engine": engines.local_choice(options.engine, spec),
+            "_alibi": slopes, "_sinks": sinks}
 
 
 def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
-           used: dict | None = None) -> tuple[Any, Any]:
+           used: dict | None = None, scores: dict | None = None) -> tuple[Any, Any]:
     """One decode step (see the module docstring); collective on ``c``.
 
     Parameters
@@ -117,6 +125,9 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
         default; False), ``window``, ``scale``, ``engine``, ``check_finite``.
     used : dict, optional
         Filled with :meth:`Step.as_dict`.
+    scores : dict, optional
+        ``alibi_slopes`` ``(H,)`` or ``(B, H)`` and ``sinks`` ``(H,)`` (None: not used), the same
+        on every rank; ``settings`` may hold ``softcap``.
 
     Returns
     -------
@@ -129,7 +140,8 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     ValueError, TypeError
         On every rank alike (marked :class:`mpiattn.comm.errors.Agreed`).
     """
-    got = c.agree(lambda: _local(shard, length, q, dict(settings)), call="KVCache.attend")
+    got = c.agree(lambda: _local(shard, length, q, dict(settings), scores or {}),
+                  call="KVCache.attend")
     with errors.alike():
         for r, g in enumerate(got):
             if not g["_engine"][0]:
@@ -139,10 +151,15 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     engine = engines.get(got[0]["_engine"][0])
     prepare(c, q)
     t = spec.N
-    attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite)
+    mods = None
+    if spec.mask.softcap is not None or spec.mask.alibi:
+        mods = Modifiers(spec.mask.softcap, got[c.rank]["_alibi"], B=spec.B, H=spec.H)
+    attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite, mods)
     with c.abort_on_error():
         o, lse, blocks = partial_attention(attend, q, shard.views())
         o, lse = tree_merge(c, o, lse)
+        if spec.mask.sinks:  # the merged rows, the same on every rank
+            o, lse = add_sinks(o, lse, got[c.rank]["_sinks"])
     if used is not None:
         used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
     return o.astype(spec.dtype, copy=False), lse

@@ -23,19 +23,23 @@ from ..kernels import DEFAULT_TILE
 from ..kernels.call import KernelCall
 from ..kernels.engine import Engine
 from ..masks import MaskSpec, QuerySide
+from ..masks.modifiers import Modifiers
 from ..strategies.blocked import Attend, KeyBlock, run_forward
 from ..strategies.spec import AttentionSpec
 
 __all__ = ["step_attend", "partial_attention"]
 
 
-def step_attend(engine: Engine, spec: AttentionSpec, q_pos: np.ndarray, finite: bool) -> Attend:
+def step_attend(engine: Engine, spec: AttentionSpec, q_pos: np.ndarray, finite: bool,
+                mods: Modifiers | None = None) -> Attend:
     """The blocked runner's view of queries at absolute positions ``q_pos`` of the call ``spec``
-    (its rules, scale and value dim; key/value blocks then come at absolute positions)."""
+    (its rules, scale and value dim; key/value blocks then come at absolute positions);
+    ``mods``: its softcap and ALiBi slopes (distances between absolute positions)."""
     call = KernelCall(spec.Hkv, spec.Ev, spec.scale, spec.acc_dtype, spec.tile or DEFAULT_TILE,
                       finite)
     return Attend(engine, call, MaskSpec(spec.mask.causal, spec.mask.window),
-                  QuerySide(np.asarray(q_pos, dtype=np.int64)))
+                  QuerySide(np.asarray(q_pos, dtype=np.int64), mods=mods,
+                            heads=None if mods is None else np.arange(spec.H)))
 
 
 def partial_attention(attend: Attend, q: Any, blocks: Iterable[tuple]) -> tuple[Any, Any, int]:

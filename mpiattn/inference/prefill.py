@@ -42,6 +42,8 @@ from .. import backend
 from ..comm.core import Comm
 from ..kernels.engine import Engine
 from ..layouts import Layout
+from ..masks.modifiers import Modifiers
+from ..masks.sinks import add_sinks
 from ..strategies.api import attention
 from ..strategies import model
 from ..strategies.machines import Machine
@@ -112,12 +114,14 @@ def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
 
 
 def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
-            layout: Any, options: dict) -> tuple[Any, Any]:
+            layout: Any, options: dict, alibi: Any = None, sinks: Any = None) -> tuple[Any, Any]:
     """pass-KV (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``chunk_pos`` are this rank's chunk rows (``0 .. C - 1``, local order by
     ``layout``); ``options`` the :class:`mpiattn.Options` fields to pass on
-    (``window``, ``scale``, ``engine``, ``check_finite``, ``causal``).
+    (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``alibi``,
+    ``sinks``: the slopes and sinks, or None (the bottom-right diagonal ``length`` makes ALiBi's
+    distance that of absolute positions).
     """
     xp = shard.xp
     kc, vc, pc = shard.whole()
@@ -127,15 +131,17 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
     kv_layout = Layout(c.allgather_obj(runs_of(pos)))
     causal = "bottom-right" if options.get("causal", True) else False
     return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy=Ring.name,
-                     **{**options, "causal": causal})
+                     alibi_slopes=alibi, sinks=sinks, **{**options, "causal": causal})
 
 
 def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
-           counts: list, engine: Engine, spec: AttentionSpec, finite: bool = True) -> tuple[Any, Any]:
+           counts: list, engine: Engine, spec: AttentionSpec, finite: bool = True,
+           alibi: Any = None, sinks: Any = None) -> tuple[Any, Any]:
     """pass-Q (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``counts[r]`` is rank ``r``'s number of chunk rows; ``spec`` the call of
-    the chunk against the cache (its rules, scale and value dim).
+    the chunk against the cache (its rules, scale, value dim and softcap); ``alibi``,
+    ``sinks``: the slopes and sinks, or None.
     """
     xp = backend.array_module(q)
     B, H, n, E = q.shape
@@ -148,7 +154,10 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     all_pos = c.allgather_obj(chunk_pos) if P > 1 else [chunk_pos]
     q_pos = length + np.concatenate(all_pos).astype(np.int64)
     blocks = list(shard.views()) + ([(k, v, length + chunk_pos)] if n else [])
-    o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite), Q, blocks)
+    mods = None
+    if spec.mask.softcap is not None or alibi is not None:
+        mods = Modifiers(spec.mask.softcap, alibi, B=B, H=H)
+    o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite, mods), Q, blocks)
     C = q_pos.size
     buf = xp.empty((C, B, H, Ev + 1), dtype=acc)
     buf[..., 0] = xp.moveaxis(lse, 2, 0)
@@ -159,4 +168,7 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     for s in range(1, P):  # in rank order: the same association on every run
         out_o, out_l = merge(out_o, out_l, parts[s, ..., 1:], parts[s, ..., 0])
     out = xp.ascontiguousarray(xp.moveaxis(out_o, 0, 2))
-    return out.astype(q.dtype, copy=False), xp.ascontiguousarray(xp.moveaxis(out_l, 0, 2))
+    out_l = xp.ascontiguousarray(xp.moveaxis(out_l, 0, 2))
+    if sinks is not None:  # the merged rows, at their owner
+        out, out_l = add_sinks(out, out_l, sinks)
+    return out.astype(q.dtype, copy=False), out_l

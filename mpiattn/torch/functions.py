@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -62,25 +63,28 @@ class _Call:
     progress: Any = None
     lse_grad: bool = False
     plan: Any = None  # an AttentionPlan every rank's arrays fit (checked already)
+    sinks: Any = None  # (H,) float64 host: the sinks' values (their tensor is an autograd input)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+                sinks: torch.Tensor | None, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
         with on_device(q.device):
             if call.plan is not None:
-                out, lse = call.plan.run_forward(to_array(q), to_array(k), to_array(v),
-                                                 call.keywords.get("key_padding_mask"), call.progress)
                 if call.details is not None:
                     call.details.update(call.plan.details())
+                out, lse = call.plan.run_forward(to_array(q), to_array(k), to_array(v),
+                                                 call.keywords.get("key_padding_mask"), call.progress,
+                                                 call.sinks, call.details)
             else:
                 out, lse = np_attention(to_array(q), to_array(k), to_array(v), call.comm,
                                         progress=call.progress, details=call.details,
-                                        **call.keywords)
+                                        sinks=call.sinks, **call.keywords)
             out_t, lse_t = to_tensor(out), to_tensor(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.call = call
+        ctx.sinks_to = None if sinks is None else {"dtype": sinks.dtype, "device": sinks.device}
         ctx.set_materialize_grads(False)
         if not call.lse_grad:
             ctx.mark_non_differentiable(lse_t)
@@ -99,6 +103,9 @@ class _Attention(torch.autograd.Function):
         # dense, in q's dtype (e.g. the expanded ones of a sum()); None: the output was unused
         dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
         Ev = v.shape[-1]
+        dsinks = None
+        if call.sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
         if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
             v, dout, out = _with_lse_gradient(v, dout, out, dlse)
         with on_device(q.device):
@@ -107,11 +114,24 @@ class _Attention(torch.autograd.Function):
             if call.plan is not None and not call.lse_grad:  # (lse's gradient: v has a column more)
                 grads = call.plan.run_backward(*arrays, call.keywords.get("key_padding_mask"),
                                                call.progress)
-            else:
+            else:  # (lse holds the sinks: the blocks' gradients need nothing else of them)
                 grads = np_attention_backward(*arrays, call.comm, progress=call.progress,
                                               **call.keywords)
-            dq, dk, dv = (to_tensor(g) for g in grads)
-        return dq, dk, dv[..., :Ev], None
+            dq, dk, dv = (to_tensor(g) for g in grads[:3])
+        return dq, dk, dv[..., :Ev], dsinks, None
+
+
+def _sink_gradient(sinks: Any, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                   dlse: torch.Tensor | None) -> torch.Tensor:
+    """This rank's part of the sinks' gradient (``reduce_gradients`` sums the ranks' parts, as
+    for every other parameter): ``sum_{b,i} exp(σ_h - lse) (dlse - D)``, ``D = rowsum(dout * out)``
+    (:mod:`mpiattn.masks.sinks`; ``dlse`` only when ``lse`` is returned)."""
+    acc = lse.dtype
+    s = torch.as_tensor(sinks, dtype=acc, device=lse.device)[None, :, None]
+    g = -(dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        g = g + dlse.to(acc)
+    return (torch.exp(s - lse) * g).sum((0, 2))
 
 
 def _first_order_only(what: str) -> None:
@@ -142,8 +162,9 @@ def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
               key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
-              return_lse: bool = False, progress: Any = None, details: dict | None = None,
-              planned: Any = None, **options: Any) -> Any:
+              attn_mask: Any = None, mask_mod: Any = None, alibi_slopes: Any = None,
+              sinks: Any = None, return_lse: bool = False, progress: Any = None,
+              details: dict | None = None, planned: Any = None, **options: Any) -> Any:
     """Exact attention over a sequence sharded across ranks, differentiable by torch's autograd.
 
     :func:`mpiattn.attention` on tensors: the same keywords, the same result,
@@ -164,6 +185,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         True marks padding keys.
     segment_ids, kv_segment_ids : integer tensor or ndarray, optional
         Document ids ``(B, n_r)``, ``(B, m_r)`` (see :func:`mpiattn.attention`).
+    attn_mask, mask_mod, alibi_slopes : optional
+        Score modifiers (see :func:`mpiattn.attention`; tensors need no gradient).
+    sinks : torch.Tensor or ndarray, shape (H,), optional
+        The sinks (:mod:`mpiattn.masks.sinks`). A tensor that requires grad gets this rank's
+        part of its gradient, like every replicated parameter
+        (:func:`mpiattn.torch.reduce_gradients` sums the parts); the same values on every rank.
     return_lse : bool
         Also return ``lse`` (differentiable: its gradient joins the backward).
     progress, details
@@ -212,14 +239,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     torch.Size([1, 2, 5, 4])
     """
     c = get_comm(comm)
+    sinks_t = sinks if isinstance(sinks, torch.Tensor) else None
+    sinks_grad = bool(torch.is_grad_enabled() and sinks_t is not None and sinks_t.requires_grad)
     ids = _agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
                                                  "segment_ids": segment_ids,
-                                                 "kv_segment_ids": kv_segment_ids},
-                 {"return_lse": bool(return_lse)})
+                                                 "kv_segment_ids": kv_segment_ids,
+                                                 "attn_mask": attn_mask, "mask_mod": mask_mod,
+                                                 "alibi_slopes": alibi_slopes},
+                 {"return_lse": bool(return_lse), "sinks (given, requires_grad)": (
+                     sinks is not None, sinks_grad)})
     lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k, v))
-    call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned)
-    out, lse = _Attention.apply(q, k, v, call)
+        t.requires_grad for t in (q, k, v, *(() if sinks_t is None else (sinks_t,))))
+    host = None
+    if sinks is not None:  # values only: the library agrees and checks them
+        host = (sinks_t.detach().to("cpu", torch.float64).numpy() if sinks_t is not None
+                else np.asarray(sinks, dtype=np.float64))
+    call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host)
+    out, lse = _Attention.apply(q, k, v, sinks_t, call)
     return (out, lse) if return_lse else out
 
 

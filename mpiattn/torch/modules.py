@@ -94,6 +94,9 @@ class MultiheadAttention(nn.Module):
         same on every rank whatever the number of ranks.
     comm : mpi4py.MPI.Intracomm, optional
         The ranks that share the sequence (default ``MPI.COMM_WORLD``).
+    sinks : bool
+        Own learnable attention sinks, a parameter ``sinks`` of shape ``(num_heads,)``
+        (initially 0; :mod:`mpiattn.masks.sinks`), replicated like the weights.
     **options
         :class:`mpiattn.Options` fields used by every call (``causal``,
         ``window``, ``layout``, ``strategy``, ``engine``, ...); a call's own
@@ -113,7 +116,7 @@ class MultiheadAttention(nn.Module):
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, device: Any = None,
                  dtype: Any = None, *, num_kv_heads: int | None = None, seed: int = 0,
-                 comm: Any = None, **options: Any):
+                 comm: Any = None, sinks: bool = False, **options: Any):
         super().__init__()
         if dropout != 0.0:
             raise ValueError("dropout must be 0.0: mpiattn never forms the attention weights")
@@ -144,6 +147,10 @@ class MultiheadAttention(nn.Module):
             self.out_proj.weight.copy_(torch.from_numpy(init.params["wo"].T.copy()))
             if bias:
                 self.out_proj.bias.zero_()
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, **kw))
+        else:
+            self.register_parameter("sinks", None)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
@@ -218,7 +225,8 @@ class MultiheadAttention(nn.Module):
             planned = self._plan = plan_for(self._plan, Q, K, V, c, key_padding_mask, options=opts)
         O = attention(Q, K, V, comm=c,
                       key_padding_mask=key_padding_mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, options=opts, planned=planned)
+                      kv_segment_ids=kv_segment_ids, sinks=self.sinks, options=opts,
+                      planned=planned)
         B, n = query.shape[:2]
         y = self.out_proj(O.transpose(1, 2).reshape(B, n, self.embed_dim))
         return (y if self.batch_first else y.transpose(0, 1)), None

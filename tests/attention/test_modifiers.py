@@ -17,47 +17,11 @@ import pytest
 import mpiattn
 from mpiattn.strategies import registry
 
-from helpers import host, visible_matrix
+from helpers import host, torch_reference, visible_matrix
 
 torch = pytest.importorskip("torch")
 
 STRATEGIES = list(dict.fromkeys(name for P in range(1, 5) for name in registry.variants(P)))
-
-
-def torch_reference(Q, K, V, dO, vis, *, scale=None, softcap=None, bias=None, sinks=None):
-    """float64 ``out, lse, dq, dk, dv, dsinks, max_logit`` by torch autograd.
-
-    ``vis`` bool broadcastable to (B, H, N, M) (True = visible); ``bias`` float (B|1, H|1, N, M).
-    """
-    B, H, N, E = Q.shape
-    G = H // K.shape[1]
-    t = [torch.tensor(np.asarray(x, dtype=np.float64), requires_grad=True) for x in (Q, K, V)]
-    q, k, v = t
-    s = 1 / np.sqrt(E) if scale is None else scale
-    x = s * q @ k.repeat_interleave(G, 1).transpose(-1, -2)
-    y = softcap * torch.tanh(x / softcap) if softcap is not None else x
-    vis = np.broadcast_to(vis, y.shape)
-    if bias is not None:  # a -inf in the bias hides its pair
-        vis = vis & np.isfinite(bias)
-        y = y + torch.tensor(np.where(np.isfinite(bias), bias, 0.0))
-    vis_t = torch.tensor(vis.copy())
-    y = y.masked_fill(~vis_t, float("-inf"))
-    seen = vis_t.any(-1)
-    sk = None
-    if sinks is not None:
-        sk = torch.tensor(np.asarray(sinks, dtype=np.float64), requires_grad=True)
-        col = sk.view(1, H, 1, 1).expand(B, H, N, 1)
-        lse = torch.logsumexp(torch.cat([y, col], -1), -1)
-        shift = lse
-    else:  # a row that sees nothing: lse = -inf, no gradient through it
-        shift = torch.logsumexp(torch.where(seen[..., None], y, torch.zeros_like(y)), -1)
-        lse = torch.where(seen, shift, torch.full_like(shift, float("-inf")))
-    P = torch.where(vis_t, torch.exp(y - shift[..., None]), torch.zeros_like(y))
-    out = P @ v.repeat_interleave(G, 1)
-    (out * torch.tensor(np.asarray(dO, dtype=np.float64))).sum().backward()
-    xm = x.detach().masked_fill(~vis_t, float("-inf")).amax(dim=(0, 2, 3)).numpy()
-    return (out.detach().numpy(), lse.detach().numpy(), q.grad.numpy(), k.grad.numpy(),
-            v.grad.numpy(), None if sk is None else sk.grad.numpy(), xm)
 
 
 def _mask_mod(b, h, i, j):

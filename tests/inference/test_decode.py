@@ -202,3 +202,27 @@ def test_decode_suite_smoke(serial_only, tmp_path):
     assert rec["P"] == 1 and rec["step_ms"] > 0 and len(rec["step_ms_all"]) == 2
     assert 0 <= rec["merge_share"] < 1 and rec["cache_mib_per_rank"] <= rec["bound_mib"]
     assert "decode P=1 cache=2048" in p.stdout and "blas" in p.stdout
+
+
+@pytest.mark.parametrize("window", [None, (7, 0)])
+def test_decode_with_sinks_softcap_and_alibi(comm, window):
+    """gpt-oss's layers (sinks with a window of keys, sinks with every key), with a softcap and
+    ALiBi, against the tests' float64 torch reference of the last queries of the sequence."""
+    from helpers import torch_reference, visible_matrix
+
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(9)
+    B, H, Hkv, L, t, E = 2, 4, 2, 37, 3, 8
+    Q = rng.standard_normal((B, H, L, E))
+    K, V = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    slopes, sinks = rng.uniform(0.1, 0.5, (B, H)), rng.standard_normal(H)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V), page=4)
+    out, lse = cache.attend(Q[:, :, -t:], window=window, softcap=3.0, alibi_slopes=slopes,
+                            sinks=sinks)
+    vis = visible_matrix(B, t, L, "bottom-right", window)[:, None]
+    dist = np.abs(np.arange(L - t, L)[:, None] - np.arange(L)[None, :])
+    ref = torch_reference(Q[:, :, -t:], K, V, np.zeros((B, H, t, E)), vis, softcap=3.0,
+                          bias=-slopes[:, :, None, None] * dist, sinks=sinks)
+    np.testing.assert_allclose(host(out), ref[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
+    assert comm.allgather_obj(host(out).tobytes()) == [host(out).tobytes()] * comm.size

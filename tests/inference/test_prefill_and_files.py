@@ -161,3 +161,31 @@ def test_bad_cache_files_fail_alike_and_nothing_is_half_written(comm, shared_dir
     assert "does not exist" in _agreed(comm, load("missing.h5"))
     leftovers = [n for n in os.listdir(shared_dir) if n.startswith(".")]
     assert leftovers == []
+
+
+@pytest.mark.parametrize("variant", ["pass-kv", "pass-q"])
+def test_chunked_prefill_with_sinks_softcap_and_alibi(comm, variant):
+    """Both variants with every modifier a decode takes: the chunk's rows of the whole sequence's
+    float64 torch reference (ALiBi by absolute positions, the sinks in every row)."""
+    from helpers import torch_reference, visible_matrix
+
+    pytest.importorskip("torch")
+    Q, K, V = _seq(12)
+    B, H, L = Q.shape[:3]
+    rng = np.random.default_rng(4)
+    slopes, sinks = rng.uniform(0.1, 0.4, H), rng.standard_normal(H)
+    n0, C = 29, 19
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :n0]), mpiattn.shard(V[:, :, :n0]), page=3)
+    sl = slice(n0, n0 + C)
+    kw = dict(window=(8, 0), softcap=2.0, alibi_slopes=slopes, sinks=sinks)
+    out, lse = cache.prefill(*(mpiattn.shard(x[:, :, sl], layout="zigzag") for x in (Q, K, V)),
+                             layout="zigzag", variant=variant, **kw)
+    keys = slice(0, n0 + C)
+    vis = visible_matrix(B, C, n0 + C, "bottom-right", (8, 0))[:, None]
+    dist = np.abs(np.arange(n0, n0 + C)[:, None] - np.arange(n0 + C)[None, :])
+    dO = np.zeros(Q[:, :, sl].shape[:3] + (V.shape[3],))
+    ref = torch_reference(Q[:, :, sl], K[:, :, keys], V[:, :, keys], dO, vis,
+                          softcap=2.0, bias=-slopes[None, :, None, None] * dist, sinks=sinks)
+    np.testing.assert_allclose(host(mpiattn.gather(out, layout="zigzag", root=None)), ref[0], atol=1e-12)
+    np.testing.assert_allclose(host(mpiattn.gather(lse, axis=-1, layout="zigzag", root=None)), ref[1],
+                               atol=1e-12)
