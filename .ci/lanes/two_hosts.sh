@@ -11,7 +11,8 @@
 #     file from both hosts, calibrate finding the limited link;
 #   * the topology, traffic, cost-model and link tests, decode, and the shared contract suite
 #     for ring, double-ring, every hybrid split (both placements), allgather and ulysses
-#     (FlashAttention's shape sweep included) - two_nodes' files and subset, and more;
+#     (FlashAttention's shape sweep included) - two_nodes' files and subset, and more; the
+#     score modifiers on every strategy (tests/attention/test_modifiers.py);
 #   * interleaved (-per-host 1: nodes {0,2}, {1,3}): topology, traffic and the contract suite of
 #     the two-level strategies without the shape sweep;
 #   * the fault cases, from outside the cluster (tests/two_hosts/test_faults.py: SIGKILL of one
@@ -73,7 +74,7 @@ pytest_on() {  # pytest_on LIMIT LOG MPIEXEC-ARGS... -- PYTEST-ARGS...
 step "on 2 hosts x 2 ranks: the two-host tests, topology, traffic, model, links, decode, contract suite"
 pytest_on 420 blocks -n 4 -- -s tests/two_hosts/test_on_two_hosts.py tests/core/test_topology.py \
     tests/attention/test_traffic.py tests/attention/test_model.py tests/attention/test_links.py \
-    tests/inference/test_decode.py tests/attention/test_contract.py \
+    tests/inference/test_decode.py tests/attention/test_contract.py tests/attention/test_modifiers.py \
     -k "not test_contract or ring or hybrid or allgather or ulysses"
 blocks_rc=$?
 
