@@ -11,12 +11,14 @@ key/value head ``h // (H // Hkv)``; the mask rules are
 :mod:`mpiattn.masks.spec`'s; a query that sees no key gets ``out = 0``,
 ``lse = -inf`` and zero gradients.
 
-Math, per batch entry and query head (``s`` the scale)::
+Math, per batch entry and query head (``s`` the scale; the modifiers of
+:mod:`mpiattn.masks.modifiers` and :mod:`mpiattn.masks.sinks`)::
 
-    S = s Q K^T (hidden -> -inf);  lse = log sum_j exp S;  P = exp(S - lse)
-    O = P V
-    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dP * P))
-    dQ = s dS K;  dK = s dS^T Q
+    X = s Q K^T;  S = c tanh(X / c) (softcap) - slope |i + d - j| (ALiBi) + mask (float)
+    S -> -inf where hidden (the rules, a bool mask, mask_mod, -inf in a float mask)
+    lse = log(exp(sink) + sum_j exp S);  P = exp(S - lse);  O = P V
+    dV = P^T dO;  dP = dO V^T;  D = rowsum(dP * P);  dS = P * (dP - D) * (1 - tanh^2)
+    dQ = s dS K;  dK = s dS^T Q;  dsink = -sum_i exp(sink - lse) D
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class Exact(NamedTuple):
     out : (B, H, N, Ev)
     lse : (B, H, N)
     dq, dk, dv : (B, H, N, E), (B, Hkv, M, E), (B, Hkv, M, Ev), or None without ``dout``
+    dsinks : (H,) or None
+        With ``sinks`` and ``dout``.
+    max_logit : (H,) float64 host array
+        The largest ``s q . k`` of a visible pair per head (``-inf``: none).
     """
 
     out: Any
@@ -47,6 +53,8 @@ class Exact(NamedTuple):
     dq: Any
     dk: Any
     dv: Any
+    dsinks: Any = None
+    max_logit: Any = None
 
 
 def dense_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int | None = 256,
@@ -67,7 +75,9 @@ def dense_nbytes(q_shape: tuple, k_shape: tuple, v_shape: tuple, block_rows: int
 def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec | None = None,
                     scale: float | None = None, key_padding_mask: Any = None,
                     segment_ids: Any = None, kv_segment_ids: Any = None, dtype: Any = np.float64,
-                    block_rows: int | None = 256) -> Exact:
+                    block_rows: int | None = 256, softcap: float | None = None,
+                    alibi_slopes: Any = None, attn_mask: Any = None, mask_mod: Any = None,
+                    sinks: Any = None) -> Exact:
     """Exact attention (and, with ``dout``, its gradients) on global arrays, one process.
 
     Parameters
@@ -93,6 +103,10 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
     block_rows : int or None
         Query rows per materialised score block (bounds memory); None: all
         rows at once.
+    softcap, alibi_slopes, mask_mod, sinks : optional
+        As in :func:`mpiattn.attention`.
+    attn_mask : array, shape (B or 1, H or 1, N, M), optional
+        The whole mask (every query row), bool or float.
 
     Returns
     -------
@@ -120,19 +134,48 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
     dq = xp.zeros_like(q) if grads else None
     dkk = xp.zeros_like(kk) if grads else None
     dvv = xp.zeros_like(vv) if grads else None
+    d = rules.diagonal
+    slopes = None if alibi_slopes is None else backend.to_host(alibi_slopes).astype(np.float64).reshape(-1, H)
+    sink = None if sinks is None else xp.asarray(backend.to_host(sinks).astype(dtype))[None, :, None, None]
+    top = np.full(H, -np.inf)
+    dsinks = xp.zeros(H, dtype=dtype) if grads and sink is not None else None
     step = N if block_rows is None else max(1, int(block_rows))
     for i0 in range(0, N, max(step, 1)):
         i1 = min(N, i0 + step)
-        vis = visible(rules, np.arange(i0, i1), np.arange(M),
-                      None if seg_q is None else seg_q[:, i0:i1], seg_k, pad)  # (Bs, r, M)
-        hidden = backend.to_device(~vis, xp)[:, None]
-        S = xp.matmul(q[:, :, i0:i1], kk.swapaxes(-1, -2))
-        S *= s
+        rows = np.arange(i0, i1)
+        vis = visible(rules, rows, np.arange(M), None if seg_q is None else seg_q[:, i0:i1], seg_k,
+                      pad)[:, None]  # (Bs, 1, r, M)
+        add = None
+        if slopes is not None:
+            add = -slopes[:, :, None, None] * np.abs(rows[:, None] + d - np.arange(M)[None, :])
+        if attn_mask is not None:
+            part = backend.to_host(attn_mask)[:, :, i0:i1]
+            if part.dtype == np.bool_:
+                vis = vis & part
+            else:
+                vis = vis & (part > -np.inf)
+                add = np.where(part > -np.inf, part, 0.0) if add is None else add + np.where(
+                    part > -np.inf, part, 0.0)
+        if mask_mod is not None:
+            b, h, i, j = np.ix_(np.arange(B), np.arange(H), rows, np.arange(M))
+            vis = vis & np.asarray(mask_mod(b, h, i, j))
+        hidden = backend.to_device(~vis, xp)
+        X = xp.matmul(q[:, :, i0:i1], kk.swapaxes(-1, -2))
+        X *= s
+        top = np.maximum(top, backend.to_host(xp.where(hidden, -np.inf, X).max(axis=(0, 2, 3))))
+        T = None if softcap is None else xp.tanh(X / softcap)
+        S = X if T is None else softcap * T
+        if add is not None:
+            S = S + backend.to_device(add.astype(dtype), xp)
         S = xp.where(hidden, -np.inf, S)
         mx = S.max(axis=-1, keepdims=True)
+        if sink is not None:
+            mx = xp.maximum(mx, sink)
         seen = xp.isfinite(mx)
         P = xp.exp(S - xp.where(seen, mx, 0))
         total = P.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            total = total + xp.exp(sink - mx)
         P /= xp.where(total > 0, total, 1)
         lse[:, :, i0:i1] = xp.where(seen, mx + xp.log(xp.where(total > 0, total, 1)), -np.inf)[..., 0]
         out[:, :, i0:i1] = xp.matmul(P, vv)
@@ -140,10 +183,15 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
             dO = do[:, :, i0:i1]
             dvv += xp.matmul(P.swapaxes(-1, -2), dO)
             dP = xp.matmul(dO, vv.swapaxes(-1, -2))
-            dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
+            D = (dP * P).sum(axis=-1, keepdims=True)
+            dS = P * (dP - D)
+            if T is not None:
+                dS *= 1 - T * T
             dq[:, :, i0:i1] = s * xp.matmul(dS, kk)
             dkk += s * xp.matmul(dS.swapaxes(-1, -2), q[:, :, i0:i1])
+            if dsinks is not None:
+                dsinks -= (xp.exp(sink - lse[:, :, i0:i1, None]) * D).sum(axis=(0, 2, 3))
     if grads and G > 1:
         dkk = dkk.reshape(B, hkv, G, M, E).sum(axis=2)
         dvv = dvv.reshape(B, hkv, G, M, Ev).sum(axis=2)
-    return Exact(out, lse, dq, dkk, dvv)
+    return Exact(out, lse, dq, dkk, dvv, dsinks, top)

@@ -93,3 +93,29 @@ def test_rejects_bad_shapes():
         reference(q, k, v, key_padding_mask=mask[:, :-1])
     with pytest.raises(ValueError):
         reference(q, k, v, dout[..., :1])
+
+
+@pytest.mark.parametrize("block_rows", [None, 2])
+def test_the_reference_with_every_score_modifier_matches_torch_autograd(block_rows):
+    """The reference's modifiers (``--check``'s) against the tests' own torch reference."""
+    pytest.importorskip("torch")
+    from helpers import torch_reference, visible_matrix
+
+    q, k, v, dout, _ = _problem(7, N=6, M=9)
+    B, H, N, M = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    rng = np.random.default_rng(8)
+    slopes, sinks = rng.uniform(0.1, 0.5, (B, H)), rng.standard_normal(H)
+    fmask = rng.standard_normal((1, H, N, M))
+    fmask[0, 0, :, :3] = -np.inf
+    mod = lambda b, h, i, j: (j + h) % 3 != 0  # noqa: E731
+    got = dense_attention(q, k, v, dout, mask=MaskSpec(causal=True, diagonal=M - N),
+                          block_rows=block_rows, softcap=1.5, alibi_slopes=slopes,
+                          attn_mask=fmask, mask_mod=mod, sinks=sinks)
+    b, h, i, j = np.ix_(range(B), range(H), range(N), range(M))
+    vis = visible_matrix(B, N, M, "bottom-right")[:, None] & mod(b, h, i, j)
+    dist = np.abs(np.arange(N)[:, None] + M - N - np.arange(M)[None, :])
+    ref = torch_reference(q, k, v, dout, vis, softcap=1.5, bias=-slopes[:, :, None, None] * dist + fmask,
+                          sinks=sinks)
+    for name, a, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks", "max_logit"),
+                          (*got[:6], got.max_logit), ref):
+        np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-12, err_msg=name)
