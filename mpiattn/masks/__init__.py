@@ -1,8 +1,12 @@
-"""Masks: which (query, key) pairs a call may use, in one place.
+"""What a score is: which (query, key) pairs a call may use and how their scores are formed, in one place.
 
 ``spec``
     :class:`MaskSpec`, the rules of a call (causal, window, documents,
-    padding) and their checks;
+    padding), the modifiers it uses, and their checks;
+``modifiers``
+    :class:`Modifiers`: softcap, ALiBi, ``attn_mask``, ``mask_mod`` (one rank's arrays);
+``sinks``
+    learnable sinks, added to each merged row, and their gradient;
 ``tiles``
     :class:`BlockMask`, the rules decided per tile of one block (none, all
     or some pairs visible), on the host;
@@ -15,8 +19,10 @@
 from __future__ import annotations
 
 from .dense import visible
+from .modifiers import MODIFIERS, Modifiers
 from .spec import ALIGNMENTS, RULES, MaskSpec, check_causal, check_window, diagonal, softmax_scale
 from .tiles import BlockMask, QuerySide, block_mask, padding_bias
 
 __all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
-           "softmax_scale", "BlockMask", "QuerySide", "block_mask", "padding_bias", "visible"]
+           "softmax_scale", "BlockMask", "QuerySide", "block_mask", "padding_bias", "visible",
+           "MODIFIERS", "Modifiers"]

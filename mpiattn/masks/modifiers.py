@@ -94,15 +94,22 @@ def check_attn_mask(mask: Any, B: int, H: int, n: int) -> np.ndarray:
     return a
 
 
-def check_mask_mod(fn: Any) -> Callable:
-    """``fn`` if it is a callable that answers one probe ``fn(b, h, q_idx, kv_idx)`` (int64
-    arrays of shape (1, 1, 1, 1)) with a bool array; else TypeError."""
+def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:
+    """``fn`` if it is a callable that answers a probe ``fn(b, h, q_idx, kv_idx)`` (every batch
+    entry and head at the pair (0, 0): int64 arrays of shapes (B, 1, 1, 1), (1, H, 1, 1),
+    (1, 1, 1, 1)) with a bool array that broadcasts to (B, H, 1, 1); else TypeError."""
     if not callable(fn):
         raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool array, got {fn!r}")
     zero = np.zeros((1, 1, 1, 1), dtype=np.int64)
-    got = np.asarray(fn(zero, zero, zero, zero))
+    got = np.asarray(fn(np.arange(B, dtype=np.int64)[:, None, None, None],
+                        np.arange(H, dtype=np.int64)[None, :, None, None], zero, zero))
     if got.dtype != np.bool_:
         raise TypeError(f"mask_mod must return a bool array (True = visible), got dtype {got.dtype}")
+    try:
+        np.broadcast_shapes(got.shape, (B, H, 1, 1))
+    except ValueError:
+        raise ValueError(f"mask_mod returned shape {got.shape}, which does not broadcast to "
+                         f"(B, H, q, k) = ({B}, {H}, 1, 1)") from None
     return fn
 
 

@@ -1,4 +1,4 @@
-"""What a call hides: the mask rules, checked once, as one frozen object.
+"""What a call hides, and which score modifiers it uses: checked once, as one frozen object.
 
 Every rule is written in *global* positions (``i`` a query row, ``j`` a key
 row), so it holds whatever the layout, and all rules combine by AND::
@@ -9,8 +9,9 @@ row), so it holds whatever the layout, and all rules combine by AND::
     documents:  seg_q[b, i] == seg_k[b, j]      (per batch entry b)
     padding:    not pad[b, j]                   (per batch entry b)
 
-:class:`MaskSpec` says which rules a call uses (the arrays, document ids and
-padding, travel beside it); :mod:`mpiattn.masks.tiles` decides them per
+:class:`MaskSpec` says which rules and which score modifiers
+(:mod:`mpiattn.masks.modifiers`, :mod:`mpiattn.masks.sinks`) a call uses (the arrays,
+document ids, padding, slopes, masks and sinks, travel beside it); :mod:`mpiattn.masks.tiles` decides them per
 tile, :mod:`mpiattn.masks.dense` materialises them for references, and
 :mod:`mpiattn.masks.ids` gathers the document ids every rank needs.
 """

@@ -181,7 +181,7 @@ def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
         agreed["attn_mask (kind, batch, heads)"] = ("bool" if a.dtype == np.bool_ else "float",
                                                     a.shape[0], a.shape[1])
     if scores.get("mask_mod") is not None:
-        fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"])
+        fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
         agreed["mask_mod (its module and name)"] = (getattr(fn, "__module__", None),
                                                     getattr(fn, "__qualname__", type(fn).__name__))
     return agreed
