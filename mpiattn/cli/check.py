@@ -38,6 +38,7 @@ def check_errors(got: dict, ref: Any, q: Any, k: Any, v: Any, dout: Any = None,
         lse  1 + |s| |q| |k|    (|s q.k| bounds each score)
         dv   max|dout|          (sum_i P_ij dout_i, sum_i P_ij ~ 1)
         dq   |s| |dout| |v| max|k|      dk   |s| |dout| |v| max|q|
+        dsinks  |dout| |v|      (each row's D = dout . out; exp(sink - lse) <= 1)
 
     So an exact result near 0 (e.g. ``dq`` of a row whose softmax is
     one-hot) is judged by the rounding its operands allow, not divided by
@@ -46,7 +47,7 @@ def check_errors(got: dict, ref: Any, q: Any, k: Any, v: Any, dout: Any = None,
     Parameters
     ----------
     got : dict
-        Name (``out``, ``lse``, ``dq``, ``dk``, ``dv``) -> the computed global array.
+        Name (``out``, ``lse``, ``dq``, ``dk``, ``dv``, ``dsinks``) -> the computed global array.
     ref : mpiattn.kernels.reference.Exact
     q, k, v, dout : global arrays (``dout`` needed for the gradients)
     scale : float, optional
@@ -58,7 +59,7 @@ def check_errors(got: dict, ref: Any, q: Any, k: Any, v: Any, dout: Any = None,
     dn = 0.0 if dout is None else _row_norm(np.asarray(dout))
     bound = {"out": _largest(v), "lse": 1.0 + s * qn * kn,
              "dv": 0.0 if dout is None else _largest(dout),
-             "dq": s * dn * vn * _largest(k), "dk": s * dn * vn * _largest(q)}
+             "dq": s * dn * vn * _largest(k), "dk": s * dn * vn * _largest(q), "dsinks": dn * vn}
     errors = {}
     for name, x in got.items():
         want = getattr(ref, name)

@@ -16,7 +16,7 @@ from .. import gpu, io
 from ..io import datagen
 from ..comm import errors
 from ..kernels import engines
-from ..layouts import all_segments
+from ..layouts import Layout, all_segments
 from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError
 from .steps import gpu_status, host_names, prepare_output, run_file, run_timer, world_comm
 
@@ -80,8 +80,22 @@ def _example_regenerated(c: Any, con: Console, args: Any, output: str) -> int:
         con.outputs.discard(tmp, remove=c.rank == 0)
 
 
+def _per_head(c: Any, spec: Any, sinks: bool, alibi: bool) -> dict:
+    """The whole per-head datasets make-data adds (rank 0 writes them): ``sinks``, standard
+    normal from the seed, and ``alibi_slopes``, ``2^(-8 (h + 1) / H)`` (Press et al. 2022)."""
+    H = spec.heads
+    whole = Layout([[(0, H)]] + [[] for _ in range(c.size - 1)])
+    out = {}
+    if sinks:
+        out["sinks"] = np.random.default_rng([spec.seed, 7]).standard_normal(H)
+    if alibi:
+        out["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    return {name: io.Rows(x if c.rank == 0 else x[:0], H, 0, whole) for name, x in out.items()}
+
+
 def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
-               scale: float | None, force: bool, window: tuple | None = None) -> tuple[Any, dict]:
+               scale: float | None, force: bool, window: tuple | None = None,
+               sinks: bool = False, alibi: bool = False) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
     timer = run_timer(c, con)
     nbytes = sum(int(np.prod(shape, dtype=np.int64))
@@ -93,6 +107,7 @@ def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
         for name, (shape, axis) in spec.datasets().items():
             segs = all_segments(shape[axis], c.size, "contiguous")[c.rank]
             rows[name] = io.Rows(datagen.local_rows(spec, name, segs), shape[axis], axis)
+        rows.update(_per_head(c, spec, sinks, alibi))
     attrs = {"causal": causal if causal == "bottom-right" else bool(causal), "scale": scale, "generator": "mpiattn make-data",
              "mpiattn_version": __version__, "seed": spec.seed, "padding": spec.padding,
              "docs": spec.docs or None,
@@ -117,8 +132,10 @@ def cmd_make_data(args: Any, con: Console) -> int:
                          f"documents), got --seq {args.seq} --kv-seq {spec_kw['kv_seq']}")
     c = world_comm()
     spec, times = _make_data(c, con, args.output, spec_kw, args.causal, args.scale, args.force,
-                             window=args.window)
-    names = ", ".join(f"{n} {s}" for n, (s, _) in spec.datasets().items())
+                             window=args.window, sinks=args.sinks, alibi=args.alibi)
+    names = ", ".join([f"{n} {s}" for n, (s, _) in spec.datasets().items()]
+                      + [f"{n} ({spec.heads},)" for n, on in (("sinks", args.sinks),
+                                                              ("alibi_slopes", args.alibi)) if on])
     con.say(f"wrote {os.path.abspath(args.output)} on {c.size} rank(s): {names} ({spec.dtype}, "
             f"seed {spec.seed}); " + ", ".join(f"{k} {v:.3g} s" for k, v in times.items()))
     return 0

@@ -139,6 +139,11 @@ def cmd_prefill(args: Any, con: Console) -> int:
         if kept:
             raise ValueError(f"prefill: a cache keeps no padding or document ids; {args.input} has "
                              f"{', '.join(kept)}")
+        mods = [n for n in ("attn_mask",) if n in shapes] + list(meta.get("whole", {}))
+        if mods:
+            raise ValueError(f"prefill on the command line takes no score modifiers yet ({args.input} "
+                             f"has {', '.join(mods)}); KVCache.prefill in Python takes sinks and "
+                             "alibi_slopes")
     window = meta["window"] if args.window is None else args.window
     with timer.phase("read"):
         inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta,

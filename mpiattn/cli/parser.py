@@ -172,7 +172,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_compute_options(ex)
 
     run = sub.add_parser("run", help="compute attention (and gradients) for an HDF5 input")
-    run.add_argument("input", help="HDF5 file with q, k, v [, dout, key_padding_mask]")
+    run.add_argument("input", help="HDF5 file with q, k, v [, dout, key_padding_mask, segment_ids, "
+                                   "attn_mask, sinks, alibi_slopes]")
     run.add_argument("-o", "--output", required=True, help="HDF5 file to write")
     causal = run.add_mutually_exclusive_group()
     causal.add_argument("--causal", dest="causal", nargs="?", const=True, default=None,
@@ -186,6 +187,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                           "default: the input's 'window' attribute, else no window)")
     run.add_argument("--scale", type=_finite_float, default=None,
                      help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E))")
+    run.add_argument("--softcap", type=_positive_float, default=None, metavar="C",
+                     help="cap the scores: C tanh(scale q.k / C) (Gemma 2)")
     run.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
                      help="compute dtype (default: that of the stored q, k, v)")
     run.add_argument("--no-backward", action="store_true",
@@ -223,6 +226,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     metavar="ALIGN", help="set the file's causal attribute (top-left or "
                                           "bottom-right; alone: top-left)")
     mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
+    mk.add_argument("--sinks", action="store_true", help="add sinks (H,): one per query head")
+    mk.add_argument("--alibi", action="store_true",
+                    help="add alibi_slopes (H,): the geometric slopes 2^(-8 h / H) of the ALiBi paper")
     mk.add_argument("--seed", type=_seed, default=0)
     mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
     _add_watchdog_option(mk)

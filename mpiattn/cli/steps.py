@@ -20,6 +20,7 @@ from ..comm import errors
 from ..comm.core import get_comm
 from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_attention, dense_nbytes
+from ..layouts import Layout
 from ..masks import MaskSpec, diagonal
 from ..sharding import gather
 from ..strategies import AttentionSpec, Options, attention, attention_backward, registry
@@ -101,7 +102,11 @@ class Settings:
                                          inp.q.dtype, self.options, device=self.xp.__name__,
                                          padding=inp.key_padding_mask is not None,
                                          segments=inp.segment_ids is not None,
-                                         kv_segments=inp.kv_segment_ids is not None)
+                                         kv_segments=inp.kv_segment_ids is not None,
+                                         alibi=inp.alibi_slopes is not None,
+                                         attn_mask=None if inp.attn_mask is None else (
+                                             "bool" if inp.attn_mask.dtype == np.bool_ else "float"),
+                                         sinks=inp.sinks is not None)
 
 
 #: What a phase of the run's timer is doing, for the message when a signal ends the run.
@@ -125,21 +130,27 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(key_padding_mask=mask, segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids,
+              attn_mask=inp.attn_mask, alibi_slopes=inp.alibi_slopes, sinks=inp.sinks,
               options=st.options)
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, progress=con.progress("forward"), details=st.used, **kw)
     results = {"out": out, "lse": lse}
     if backward:
         with timer.phase("backward"):
-            dq, dk, dv = attention_backward(dout, q, k, v, out, lse, c,
-                                            progress=con.progress("backward"), **kw)
-        results.update(dq=dq, dk=dk, dv=dv)
+            grads = attention_backward(dout, q, k, v, out, lse, c,
+                                       progress=con.progress("backward"), **kw)
+        results.update(zip(("dq", "dk", "dv", "dsinks"), grads))
     return {name: to_host(x) for name, x in results.items()}
 
 
 #: Each output dataset keeps the number of dimensions of the input it derives from:
-#: name -> (that input, dimensions fewer).
+#: name -> (that input, dimensions fewer). ``dsinks`` (H,), float64, is written by rank 0.
 _LIKE = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv": ("v", 0)}
+
+
+def _on_rank0(P: int, n: int) -> Layout:
+    """All ``n`` rows on rank 0 of ``P`` (a dataset one rank writes whole)."""
+    return Layout([[(0, n)]] + [[] for _ in range(P - 1)])
 
 
 def output_datasets(inp: Any, backward: bool) -> dict[str, tuple[tuple[int, ...], str, int]]:
@@ -157,6 +168,8 @@ def output_datasets(inp: Any, backward: bool) -> dict[str, tuple[tuple[int, ...]
         full.update(dq=((B, H, inp.n, E), dt), dk=((B, Hkv, inp.m, E), dt),
                     dv=((B, Hkv, inp.m, Ev), dt))
     out = {}
+    if backward and inp.sinks is not None:
+        out["dsinks"] = ((H,), np.dtype(np.float64).str, 0)
     for name, (shape, dtype) in full.items():
         source, fewer = _LIKE[name]
         ndim = inp.stored_ndim[source] - fewer
@@ -174,6 +187,9 @@ def _write_results(c: Any, con: Console, path: str, results: dict[str, np.ndarra
                    layout: str, attrs: dict, force: bool) -> None:
     rows = {}
     for name, x in results.items():
+        if name == "dsinks":  # the same on every rank: rank 0 writes it
+            rows[name] = io.Rows(x if c.rank == 0 else x[:0], x.shape[0], 0, _on_rank0(c.size, x.shape[0]))
+            continue
         ndim = inp.stored_ndim[_LIKE[name][0]] - _LIKE[name][1]
         y = x.reshape(x.shape[x.ndim - ndim:])  # drop the promoted leading axes of length 1
         length = inp.m if name in ("dk", "dv") else inp.n
@@ -202,8 +218,11 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
          for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
                          ("key_padding_mask", inp.key_padding_mask),
                          ("segment_ids", inp.segment_ids), ("kv_segment_ids", inp.kv_segment_ids),
-                         *results.items()]
+                         ("attn_mask", inp.attn_mask),
+                         *[(n, x) for n, x in results.items() if n != "dsinks"]]
          if x is not None}
+    if "dsinks" in results:
+        g["dsinks"] = results["dsinks"]
     dtype = str(inp.q.dtype)
     tol = CHECK_TOL[dtype]
     found = None
@@ -212,7 +231,9 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                               mask=MaskSpec(bool(o.causal), o.window, diagonal=diagonal(
                                   o.causal, g["q"].shape[-2], g["k"].shape[-2])), scale=o.scale,
                               key_padding_mask=g.get("key_padding_mask"),
-                              segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"))
+                              segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"),
+                              softcap=o.softcap, alibi_slopes=inp.alibi_slopes,
+                              attn_mask=g.get("attn_mask"), sinks=inp.sinks)
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
                              g.get("dout"), o.scale)
     found = c.bcast_obj(found if c.rank == 0 else None)
@@ -233,8 +254,8 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
             st: Settings, backward: bool) -> None:
     """The report's first lines: what runs, on what, how."""
     shape = lambda x, n: (x.shape[0], x.shape[1], n, x.shape[3])  # noqa: E731 - global shape
-    extras = [n for n in ("dout", "key_padding_mask", "segment_ids", "kv_segment_ids")
-              if getattr(inp, n) is not None]
+    extras = [n for n in ("dout", "key_padding_mask", "segment_ids", "kv_segment_ids", "attn_mask",
+                          "sinks", "alibi_slopes") if getattr(inp, n) is not None]
     o = st.options
     scale = o.scale if o.scale is not None else f"1/sqrt({inp.q.shape[3]})"
     con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
@@ -302,6 +323,7 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
             "causal": st.options.causal,
             "scale": st.options.scale if st.options.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
+            "softcap": st.options.softcap,
             "block_size": st.options.block_size, "engine": st.options.engine,
             "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
             "input_path": inp.info["path"], "input_size": inp.info["size"],
@@ -367,7 +389,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     options = Options(causal=causal, scale=scale, window=window, layout=layout, kv_layout=kv_layout,
                       strategy=args.strategy, engine=getattr(args, "engine", "auto"),
                       machine=getattr(args, "machine", None),
-                      block_size=args.block_size,
+                      block_size=args.block_size, softcap=getattr(args, "softcap", None),
                       check_finite=False)  # read_input checked them (unless --allow-nonfinite)
     st = Settings(options, xp, note)
     backward = inp.dout is not None and not getattr(args, "no_backward", False)

@@ -48,6 +48,10 @@ class Inputs:
     key_padding_mask : bool ndarray, shape (B, m_r), or None
     segment_ids, kv_segment_ids : int64 ndarray, shapes (B, n_r), (B, m_r), or None
         Document ids of the queries and of the keys.
+    attn_mask : ndarray, shape (B or 1, H or 1, n_r, M), bool or float64, or None
+        This rank's query rows of the mask.
+    sinks, alibi_slopes : float64 ndarray, shapes (H,) and (H,) or (B, H), or None
+        Read whole by every rank.
     n, m : int
         Global query and key/value lengths ``N`` and ``M``.
     stored_ndim : dict
@@ -78,6 +82,9 @@ class Inputs:
     kv_segment_ids: np.ndarray | None = None
     window: tuple | None = None  # the file's 'window' attribute, (left, right), None = unbounded side
     kv_layout: Any = None
+    attn_mask: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+    alibi_slopes: np.ndarray | None = None
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
@@ -207,6 +214,8 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                 x = _read_segments(f[name], segs, axis)
                 if name in ("segment_ids", "kv_segment_ids"):
                     x = x.astype(np.int64, copy=False)
+                elif name == "attn_mask":  # bool, or float64 with -inf for hidden (checked later)
+                    x = x if x.dtype == np.bool_ else x.astype(np.float64, copy=False)
                 elif name != "key_padding_mask":
                     if check_finite:
                         row = _first_nonfinite_row(x, axis, segs)
@@ -217,6 +226,8 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                 promoted = list(shapes[name])
                 promoted[-SEQ_AXIS_FROM_END[name]] = x.shape[axis]
                 arrays[name] = x.reshape(promoted)
+            for name in meta.get("whole", {}):
+                arrays[name] = np.asarray(f[name][...], dtype=np.float64)
             return seen + [identity(f)]
 
     seen = c.allgather_checked(read)
@@ -227,7 +238,8 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                   stored_ndim={k: len(s) for k, s in meta["stored"].items()},
                   causal=meta["causal"], scale=meta["scale"], layout=layout, info=meta["info"],
                   segment_ids=arrays.get("segment_ids"), kv_segment_ids=arrays.get("kv_segment_ids"),
-                  window=meta["window"], kv_layout=kv_layout)
+                  window=meta["window"], kv_layout=kv_layout, attn_mask=arrays.get("attn_mask"),
+                  sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))
 
 
 def read_whole(path: str, name: str, comm: Any = None,

@@ -1,7 +1,8 @@
 """What an input file of an attention problem holds, checked on rank 0 before any data is read.
 
-The datasets (``q``, ``k``, ``v``, optionally ``dout``, the padding mask and
-the document ids), the axis of each that runs along the sequence, their
+The datasets (``q``, ``k``, ``v``, optionally ``dout``, the padding mask,
+the document ids and an ``attn_mask``; and, read whole, ``sinks`` and
+``alibi_slopes``), the axis of each that runs along the sequence, their
 stored shapes promoted to 4-D (2-D for the mask and the ids) and checked
 against each other, their dtypes, and the root attributes ``causal``,
 ``scale`` and ``window``, each checked for its type. :func:`read_meta` reads
@@ -24,11 +25,16 @@ from .atomic import on_rank0
 from .hdf5types import BFLOAT16, is_bfloat16_type
 from .opening import _open_read, _plain, file_info, identity
 
-__all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "window_from_attribute", "read_meta"]
+__all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "WHOLE_DATASETS", "window_from_attribute",
+           "read_meta"]
 
-#: Input datasets and the axis (from the end) of their sequence dimension.
+#: Input datasets and the axis (from the end) of their sequence dimension (``attn_mask``
+#: ``(B or 1, H or 1, N, M)``: its query rows, read like ``q``'s).
 SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1, "segment_ids": 1,
-                     "kv_segment_ids": 1}
+                     "kv_segment_ids": 1, "attn_mask": 2}
+
+#: Small datasets every rank reads whole: the score modifiers' per-head numbers.
+WHOLE_DATASETS = ("sinks", "alibi_slopes")
 
 #: Datasets along the keys (M rows, read by the keys' layout); the others run along the queries.
 KEY_DATASETS = ("k", "v", "key_padding_mask", "kv_segment_ids")
@@ -51,6 +57,8 @@ def _check_dtype(name: str, dt: np.dtype) -> None:
     if name in ("segment_ids", "kv_segment_ids"):
         if dt.kind not in "iu":
             raise TypeError(f"dataset {name!r} has dtype {dt}; document ids must be integers")
+        return
+    if name == "attn_mask" and dt == np.bool_:
         return
     if name == "key_padding_mask":
         if dt != np.bool_:
@@ -92,6 +100,21 @@ def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
     if "segment_ids" in shapes and "kv_segment_ids" not in shapes and N != M:
         raise ValueError(f"segment_ids without kv_segment_ids: the keys take the query ids, "
                          f"which needs N == M (here N = {N}, M = {M})")
+    if "attn_mask" in shapes:
+        a = shapes["attn_mask"]
+        if a[0] not in (1, B) or a[1] not in (1, H) or a[2:] != (N, M):
+            raise ValueError(f"attn_mask has shape {a}, expected (B or 1, H or 1, N, M) with "
+                             f"B = {B}, H = {H}, N = {N}, M = {M}")
+
+
+def _validate_whole(whole: dict[str, tuple[int, ...]], shapes: dict) -> None:
+    """The shapes of ``sinks`` ((H,)) and ``alibi_slopes`` ((H,) or (B, H))."""
+    B, H = shapes["q"][:2]
+    if "sinks" in whole and whole["sinks"] != (H,):
+        raise ValueError(f"sinks has shape {whole['sinks']}, expected (H,) = ({H},)")
+    if "alibi_slopes" in whole and whole["alibi_slopes"] not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes has shape {whole['alibi_slopes']}, expected (H,) = ({H},) "
+                         f"or (B, H) = ({B}, {H})")
 
 
 def window_from_attribute(value: Any) -> tuple | None:
@@ -130,6 +153,16 @@ def _read_meta(path: str) -> dict:
                             else ds.dtype.newbyteorder("=").str)  # read in native byte order
         shapes = {name: _promoted(name, s) for name, s in stored.items()}
         _validate(shapes)
+        whole = {}
+        for name in WHOLE_DATASETS:
+            if name in f:
+                import h5py
+
+                ds = f[name]
+                if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "fiu":
+                    raise TypeError(f"{path}: {name!r} must be a dataset of real numbers")
+                whole[name] = tuple(int(s) for s in ds.shape)
+        _validate_whole(whole, shapes)
         causal = _causal_attribute(path, f.attrs.get("causal"))
         scale = _scale_attribute(path, f.attrs.get("scale"))
         try:
@@ -138,7 +171,7 @@ def _read_meta(path: str) -> dict:
             raise ValueError(f"{path}: {exc}") from None
         info = file_info(path, identity(f))
     return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": info,
-            "causal": causal, "scale": scale, "window": window}
+            "causal": causal, "scale": scale, "window": window, "whole": whole}
 
 
 def _causal_attribute(path: str, value: Any) -> bool | str | None:
