@@ -12,7 +12,8 @@
 #   * the topology, traffic, cost-model and link tests, decode, and the shared contract suite
 #     for ring, double-ring, every hybrid split (both placements), allgather and ulysses
 #     (FlashAttention's shape sweep included) - two_nodes' files and subset, and more; the
-#     score modifiers on every strategy (tests/attention/test_modifiers.py);
+#     score modifiers on the two-level strategies (tests/attention/test_modifiers.py: hybrid
+#     splits and the double ring);
 #   * interleaved (-per-host 1: nodes {0,2}, {1,3}): topology, traffic and the contract suite of
 #     the two-level strategies without the shape sweep;
 #   * the fault cases, from outside the cluster (tests/two_hosts/test_faults.py: SIGKILL of one
@@ -75,7 +76,7 @@ step "on 2 hosts x 2 ranks: the two-host tests, topology, traffic, model, links,
 pytest_on 420 blocks -n 4 -- -s tests/two_hosts/test_on_two_hosts.py tests/core/test_topology.py \
     tests/attention/test_traffic.py tests/attention/test_model.py tests/attention/test_links.py \
     tests/inference/test_decode.py tests/attention/test_contract.py tests/attention/test_modifiers.py \
-    -k "not test_contract or ring or hybrid or allgather or ulysses"
+    -k "(not test_contract and not test_every_modifier) or (test_contract and (ring or hybrid or allgather or ulysses)) or (test_every_modifier and (hybrid or double-ring))"
 blocks_rc=$?
 
 step "interleaved (ranks alternate hosts): topology, traffic, the two-level strategies' contract cases"
