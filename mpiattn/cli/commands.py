@@ -16,9 +16,10 @@ from .. import gpu, io
 from ..io import datagen
 from ..comm import errors
 from ..kernels import engines
-from ..layouts import Layout, all_segments
+from ..layouts import all_segments
 from .common import EXAMPLE_ATTR, EXAMPLE_SPEC, Console, UsageError
-from .steps import gpu_status, host_names, prepare_output, run_file, run_timer, world_comm
+from .steps import (gpu_status, host_names, prepare_output, rows_of_rank0, run_file, run_timer,
+                    world_comm)
 
 
 
@@ -84,13 +85,12 @@ def _per_head(c: Any, spec: Any, sinks: bool, alibi: bool) -> dict:
     """The whole per-head datasets make-data adds (rank 0 writes them): ``sinks``, standard
     normal from the seed, and ``alibi_slopes``, ``2^(-8 (h + 1) / H)`` (Press et al. 2022)."""
     H = spec.heads
-    whole = Layout([[(0, H)]] + [[] for _ in range(c.size - 1)])
     out = {}
     if sinks:
         out["sinks"] = np.random.default_rng([spec.seed, 7]).standard_normal(H)
     if alibi:
         out["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
-    return {name: io.Rows(x if c.rank == 0 else x[:0], H, 0, whole) for name, x in out.items()}
+    return {name: rows_of_rank0(c, x) for name, x in out.items()}
 
 
 def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,

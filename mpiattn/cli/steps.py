@@ -148,9 +148,12 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
 _LIKE = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv": ("v", 0)}
 
 
-def _on_rank0(P: int, n: int) -> Layout:
-    """All ``n`` rows on rank 0 of ``P`` (a dataset one rank writes whole)."""
-    return Layout([[(0, n)]] + [[] for _ in range(P - 1)])
+def rows_of_rank0(c: Any, x: np.ndarray) -> Any:
+    """A small 1-D dataset ``x``, the same on every rank, as :class:`mpiattn.io.Rows` that rank 0
+    writes whole (a layout giving it every row)."""
+    n = x.shape[0]
+    everything = Layout([[(0, n)]] + [[] for _ in range(c.size - 1)])
+    return io.Rows(x if c.rank == 0 else x[:0], n, 0, everything)
 
 
 def output_datasets(inp: Any, backward: bool) -> dict[str, tuple[tuple[int, ...], str, int]]:
@@ -188,7 +191,7 @@ def _write_results(c: Any, con: Console, path: str, results: dict[str, np.ndarra
     rows = {}
     for name, x in results.items():
         if name == "dsinks":  # the same on every rank: rank 0 writes it
-            rows[name] = io.Rows(x if c.rank == 0 else x[:0], x.shape[0], 0, _on_rank0(c.size, x.shape[0]))
+            rows[name] = rows_of_rank0(c, x)
             continue
         ndim = inp.stored_ndim[_LIKE[name][0]] - _LIKE[name][1]
         y = x.reshape(x.shape[x.ndim - ndim:])  # drop the promoted leading axes of length 1

@@ -187,15 +187,16 @@ class DeviceForward:
                    xp.full(lead, -np.inf, dtype=acc) if max_logit else None)
 
 
-def _formed(st: Any, S: Any, mask: BlockMask, i0: int, i1: int, j0: int, j1: int, group: int,
+def _formed(xmax: Any, S: Any, mask: BlockMask, i0: int, i1: int, j0: int, j1: int, group: int,
             vis: str, pad: Any, host: Any) -> Any:
-    """``S = x`` -> the scores (in place, generic array code): the running ``max_logit``, the
-    softcap, then the padding and the host bias. Returns ``t = tanh(x / c)`` (a copy) or None."""
+    """``S = x`` -> the scores (in place, generic array code): the running ``max_logit`` (into
+    ``xmax``, the forward's, None in the backward), the softcap, then the padding and the host
+    bias. Returns ``t = tanh(x / c)`` (a copy) or None."""
     xp = backend.array_module(S)
-    if getattr(st, "xmax", None) is not None:
+    if xmax is not None:
         hidden = mask.hidden(xp, i0, i1, j0, j1, S.dtype, group, vis)
         top = (S if hidden is None else S + hidden).max(axis=-1)
-        xp.maximum(st.xmax[..., i0 * group:i1 * group], top, out=st.xmax[..., i0 * group:i1 * group])
+        xp.maximum(xmax[..., i0 * group:i1 * group], top, out=xmax[..., i0 * group:i1 * group])
     t = None
     if mask.softcap is not None:
         softcap_(S, mask.softcap)
@@ -221,7 +222,7 @@ def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask
             P = S if op == acc else _tile_buf(st.ws, "P", (B, hkv), R, kk, op)
             m, l, o = st.m[..., r0:r1], st.l[..., r0:r1], st.o[..., r0:r1, :]
             if mask.mods is not None:  # scores formed by the generic array code
-                _formed(st, S, mask, i0, i1, j0, j1, group, vis, pad, host)
+                _formed(st.xmax, S, mask, i0, i1, j0, j1, group, vis, pad, host)
                 fused.generic.softmax_fwd_(_rows(S), _rows(P), _rows(m), _rows(l), _rows(o))
             elif st.fused:
                 if host is not None:
@@ -299,7 +300,7 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
             dS = dP if op == acc else _tile_buf(bs.ws, "dS", (B, hkv), R, kk, op)
             lse, D = bs.lse[..., r0:r1], bs.D[..., r0:r1]
             if mask.mods is not None:  # scores formed by the generic array code
-                _, t = _formed(bs, S, mask, i0, i1, j0, j1, group, vis, pad, host)
+                _, t = _formed(None, S, mask, i0, i1, j0, j1, group, vis, pad, host)
                 fused.generic.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D))
                 if t is not None:  # dy/dx = 1 - t^2
                     t *= t

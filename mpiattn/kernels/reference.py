@@ -139,6 +139,7 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
     sink = None if sinks is None else xp.asarray(backend.to_host(sinks).astype(dtype))[None, :, None, None]
     top = np.full(H, -np.inf)
     dsinks = xp.zeros(H, dtype=dtype) if grads and sink is not None else None
+    whole_mask = None if attn_mask is None else backend.to_host(attn_mask)
     step = N if block_rows is None else max(1, int(block_rows))
     for i0 in range(0, N, max(step, 1)):
         i1 = min(N, i0 + step)
@@ -148,14 +149,15 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
         add = None
         if slopes is not None:
             add = -slopes[:, :, None, None] * np.abs(rows[:, None] + d - np.arange(M)[None, :])
-        if attn_mask is not None:
-            part = backend.to_host(attn_mask)[:, :, i0:i1]
+        if whole_mask is not None:
+            part = whole_mask[:, :, i0:i1]
             if part.dtype == np.bool_:
                 vis = vis & part
             else:
-                vis = vis & (part > -np.inf)
-                add = np.where(part > -np.inf, part, 0.0) if add is None else add + np.where(
-                    part > -np.inf, part, 0.0)
+                kept = part > -np.inf
+                vis = vis & kept
+                part = np.where(kept, part, 0.0)
+                add = part if add is None else add + part
         if mask_mod is not None:
             b, h, i, j = np.ix_(np.arange(B), np.arange(H), rows, np.arange(M))
             vis = vis & np.asarray(mask_mod(b, h, i, j))

@@ -100,9 +100,7 @@ def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:
     (1, 1, 1, 1)) with a bool array that broadcasts to (B, H, 1, 1); else TypeError."""
     if not callable(fn):
         raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool array, got {fn!r}")
-    zero = np.zeros((1, 1, 1, 1), dtype=np.int64)
-    got = np.asarray(fn(np.arange(B, dtype=np.int64)[:, None, None, None],
-                        np.arange(H, dtype=np.int64)[None, :, None, None], zero, zero))
+    got = np.asarray(fn(*_indices(np.arange(B), np.arange(H), [0], [0])))
     if got.dtype != np.bool_:
         raise TypeError(f"mask_mod must return a bool array (True = visible), got dtype {got.dtype}")
     try:
@@ -111,6 +109,21 @@ def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:
         raise ValueError(f"mask_mod returned shape {got.shape}, which does not broadcast to "
                          f"(B, H, q, k) = ({B}, {H}, 1, 1)") from None
     return fn
+
+
+def _indices(b: Any, h: Any, q: Any, k: Any) -> tuple:
+    """``mask_mod``'s arguments: int64 arrays of shapes (B, 1, 1, 1), (1, H, 1, 1), (1, 1, q, 1)
+    and (1, 1, 1, k) that broadcast against each other."""
+    return tuple(np.asarray(x, dtype=np.int64).reshape([-1 if a == axis else 1 for a in range(4)])
+                 for axis, x in enumerate((b, h, q, k)))
+
+
+def _ask(fn: Callable, b: Any, h: Any, q: Any, k: Any) -> np.ndarray:
+    """``fn``'s 4-D bool answer (leading axes of length 1 added) on those indices."""
+    got = np.asarray(fn(*_indices(b, h, q, k)))
+    if got.dtype != np.bool_:
+        raise TypeError(f"mask_mod returned dtype {got.dtype}, not bool")
+    return got.reshape((1,) * (4 - got.ndim) + got.shape)
 
 
 def fold_tile(a: np.ndarray, hkv: int, group: int) -> np.ndarray:
@@ -166,11 +179,7 @@ class Modifiers:
     def _probe(self) -> tuple[int, int]:
         """Whether ``mask_mod`` reads the batch and head indices: ``(1 or B, 1 or H)`` of its
         answer on every ``b`` and ``h`` at one pair (sizes a region's cost)."""
-        b = np.arange(max(self.B, 1), dtype=np.int64)[:, None, None, None]
-        h = np.arange(max(self.H, 1), dtype=np.int64)[None, :, None, None]
-        zero = np.zeros((1, 1, 1, 1), dtype=np.int64)
-        got = np.asarray(self.mask_mod(b, h, zero, zero))
-        got = got.reshape((1,) * (4 - got.ndim) + got.shape)
+        got = _ask(self.mask_mod, np.arange(max(self.B, 1)), np.arange(max(self.H, 1)), [0], [0])
         return int(got.shape[0]), int(got.shape[1])
 
     def cost(self, pairs: int, heads: int) -> int:
@@ -206,13 +215,7 @@ class Modifiers:
             if ok.dtype != np.bool_:
                 ok = ok > -np.inf
         if self.mask_mod is not None:
-            b = np.arange(max(self.B, 1), dtype=np.int64)[:, None, None, None]
-            h = np.asarray(heads, dtype=np.int64)[None, :, None, None]
-            got = np.asarray(self.mask_mod(b, h, np.asarray(q_pos, np.int64)[None, None, :, None],
-                                           np.asarray(k_pos, np.int64)[None, None, None, :]))
-            if got.dtype != np.bool_:
-                raise TypeError(f"mask_mod returned dtype {got.dtype}, not bool")
-            got = got.reshape((1,) * (4 - got.ndim) + got.shape)
+            got = _ask(self.mask_mod, np.arange(max(self.B, 1)), heads, q_pos, k_pos)
             ok = got if ok is None else ok & got
         return ok
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import backend
 
-__all__ = ["check_sinks", "add_sinks", "sink_gradient"]
+__all__ = ["check_sinks", "add_sinks", "sink_gradient", "local_sink_gradient"]
 
 
 def check_sinks(sinks: Any, H: int) -> np.ndarray:
@@ -54,11 +54,16 @@ def add_sinks(out: Any, lse: Any, sinks: np.ndarray) -> tuple[Any, Any]:
     return (out * w[..., None].astype(out.dtype, copy=False)), new
 
 
-def sink_gradient(c: Any, sinks: np.ndarray, lse: Any, D: Any) -> np.ndarray:
-    """``dσ (H,)``, float64 host, the same on every rank of ``c`` (collective): the sum over this
-    rank's ``lse``, ``D`` ``(B, H, n)`` (the sink-including ``lse``) and every other rank's."""
+def local_sink_gradient(sinks: np.ndarray, lse: Any, D: Any) -> Any:
+    """This rank's part of ``dσ``: ``-sum_{b,i} exp(σ_h - lse) D`` over its ``lse``, ``D``
+    ``(B, H, n)`` (the sink-including ``lse``), ``(H,)`` in ``lse``'s dtype and device."""
     xp = backend.array_module(lse, D)
     s = backend.to_device(sinks.astype(lse.dtype), xp)[None, :, None]
-    part = -(xp.exp(s - lse) * D.astype(lse.dtype, copy=False)).sum(axis=(0, 2))
-    total = np.ascontiguousarray(backend.to_host(part), dtype=np.float64)
-    return c.allreduce_(total)
+    return -(xp.exp(s - lse) * D.astype(lse.dtype, copy=False)).sum(axis=(0, 2))
+
+
+def sink_gradient(c: Any, sinks: np.ndarray, lse: Any, D: Any) -> np.ndarray:
+    """``dσ (H,)``, float64 host, the same on every rank of ``c`` (collective): the sum of every
+    rank's :func:`local_sink_gradient`."""
+    part = local_sink_gradient(sinks, lse, D)
+    return c.allreduce_(np.ascontiguousarray(backend.to_host(part), dtype=np.float64))

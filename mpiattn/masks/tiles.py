@@ -227,20 +227,24 @@ class BlockMask:
             return "none"
         return "some"
 
-    def mod_visible(self, i0: int, i1: int, j0: int, j1: int) -> np.ndarray | None:
-        """Host bool ``(Bx, Hx, i1-i0, j1-j0)`` of the bool ``attn_mask`` and ``mask_mod``
-        (True = visible), or None when the region is larger than :data:`MOD_LIMIT` or nothing
-        hides. The last region asked for is kept, and regions inside it are sliced from it."""
+    def mod_visible(self, i0: int, i1: int, j0: int, j1: int,
+                    bounded: bool = True) -> np.ndarray | None:
+        """Host bool ``(Bx, Hx, i1-i0, j1-j0)`` of the ``attn_mask`` and ``mask_mod`` (True =
+        visible), or None when nothing hides or (``bounded``) the region is larger than
+        :data:`MOD_LIMIT`. The last region asked for is kept, and regions inside it are sliced
+        from it; an unbounded answer is not kept."""
         if self.mods is None or not self.mods.hides:
             return None
         if self._mod is not None:
             (a0, a1, b0, b1), ok = self._mod
             if a0 <= i0 and i1 <= a1 and b0 <= j0 and j1 <= b1:
                 return ok[:, :, i0 - a0:i1 - a0, j0 - b0:j1 - b0]
-        if self.mods.cost((i1 - i0) * (j1 - j0), len(self.heads)) > MOD_LIMIT:
+        large = self.mods.cost((i1 - i0) * (j1 - j0), len(self.heads)) > MOD_LIMIT
+        if large and bounded:
             return None
         ok = self.mods.visible(self.heads, self.rows[i0:i1], self.q_pos[i0:i1], self.k_pos[j0:j1])
-        self._mod = ((i0, i1, j0, j1), ok)
+        if not large:
+            self._mod = ((i0, i1, j0, j1), ok)
         return ok
 
     def _positional_visibility(self, i0: int, i1: int, j0: int, j1: int) -> str:
@@ -339,10 +343,7 @@ class BlockMask:
         out = None
         if vis == "some":
             ok = self.visible_pairs(i0, i1, j0, j1)[:, None]
-            mv = self.mod_visible(i0, i1, j0, j1) if self.mods is not None and self.mods.hides else None
-            if self.mods is not None and self.mods.hides and mv is None:  # too large to keep
-                mv = self.mods.visible(self.heads, self.rows[i0:i1], self.q_pos[i0:i1],
-                                       self.k_pos[j0:j1])
+            mv = self.mod_visible(i0, i1, j0, j1, bounded=False)
             if mv is not None:
                 ok = ok & mv
             hkv = max(len(self.heads) // group, 1) if self.heads is not None else 1

@@ -116,12 +116,7 @@ class AttentionPlan:
                 raise ValueError(f"{call}: the plan was made without sinks; make one with sinks=")
             return tuple(check_sinks(sinks, self.spec.H))
         got = self.comm.allgather_checked(local, call=call)
-        with errors.alike():
-            other = next((r for r, g in enumerate(got) if g != got[0]), None)
-            if other is not None:
-                raise ValueError(f"{call}: the ranks pass different sinks (rank 0: "
-                                 f"{None if got[0] is None else list(got[0])}, rank {other}: "
-                                 f"{None if got[other] is None else list(got[other])})")
+        errors.same_everywhere(got, f"the sinks {call} is given")
         return None if got[0] is None else np.asarray(got[0], dtype=np.float64)
 
     # ------------------------------------------------------------------- calls

@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import products
 from ..comm.core import Comm, get_comm
+from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies import plan_attention
@@ -105,7 +106,8 @@ class _Attention(torch.autograd.Function):
         Ev = v.shape[-1]
         dsinks = None
         if call.sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
+            with on_device(q.device):
+                dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
         if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
             v, dout, out = _with_lse_gradient(v, dout, out, dlse)
         with on_device(q.device):
@@ -124,14 +126,14 @@ class _Attention(torch.autograd.Function):
 def _sink_gradient(sinks: Any, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                    dlse: torch.Tensor | None) -> torch.Tensor:
     """This rank's part of the sinks' gradient (``reduce_gradients`` sums the ranks' parts, as
-    for every other parameter): ``sum_{b,i} exp(σ_h - lse) (dlse - D)``, ``D = rowsum(dout * out)``
-    (:mod:`mpiattn.masks.sinks`; ``dlse`` only when ``lse`` is returned)."""
+    for every other parameter): :func:`mpiattn.masks.sinks.local_sink_gradient` with
+    ``D = rowsum(dout * out) - dlse`` (``d lse / d σ_h = exp(σ_h - lse)``; ``dlse`` only when
+    ``lse`` is returned)."""
     acc = lse.dtype
-    s = torch.as_tensor(sinks, dtype=acc, device=lse.device)[None, :, None]
-    g = -(dout.to(acc) * out.to(acc)).sum(-1)
+    D = (dout.to(acc) * out.to(acc)).sum(-1)
     if dlse is not None:
-        g = g + dlse.to(acc)
-    return (torch.exp(s - lse) * g).sum((0, 2))
+        D = D - dlse.to(acc)
+    return to_tensor(local_sink_gradient(sinks, to_array(lse), to_array(D.contiguous())))
 
 
 def _first_order_only(what: str) -> None:

@@ -213,3 +213,17 @@ def test_a_plan_takes_new_sinks_per_call_and_refuses_sinks_it_was_not_made_for(c
     plain = mpiattn.plan_attention(x, x, x, causal=True)
     with pytest.raises(ValueError, match="without sinks"):
         plain.forward(x, x, x, sinks=s1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_rank_with_bad_modifiers_fails_every_rank_alike(comm):
+    """A bad mask on one rank, or ranks passing a plan different sinks: one error everywhere."""
+    x = mpiattn.shard(np.random.default_rng(6).standard_normal((1, 2, 4 * comm.size, 4)))
+    n, N = x.shape[2], 4 * comm.size
+    mask = np.ones((1, 1, n if comm.rank else n + 1, N), dtype=bool)
+    with pytest.raises(ValueError, match="attn_mask must have shape") as info:
+        mpiattn.attention(x, x, x, attn_mask=mask)
+    assert comm.allgather_obj(str(info.value)) == [str(info.value)] * comm.size
+    plan = mpiattn.plan_attention(x, x, x, sinks=np.zeros(2))
+    with pytest.raises(ValueError, match="ranks disagree on the sinks"):
+        plan.forward(x, x, x, sinks=np.array([float(comm.rank), 0.0]))
