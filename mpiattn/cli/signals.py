@@ -117,7 +117,7 @@ class Guard:
 
         self.world, self.rank, self.size = world, world.Get_rank(), world.Get_size()
         self.watcher = watcher
-        self.outputs = io.Outputs()
+        self.outputs = io.Outputs(sync=watcher.sync)
         self.phase = "while starting"
         self.fired: int | None = None
         self.late: int | None = None

@@ -24,7 +24,10 @@ every temporary still being written is removed. The owner also *revokes* a
 group it voted for but has not seen committed: it removes it, and its main
 thread, when the agreement returns, blocks instead of publishing. So a
 signal the owner handles before the commit point leaves every existing
-file as it was; one it handles after it comes too late to matter: the
+file as it was (given a ``sync``, each rank handles the signals it has
+received before it votes, and the owner again before it takes the votes as
+committed: a signal that reached a process before those steps never comes
+too late, however busy its main thread kept the handler's); one it handles after it comes too late to matter: the
 group is published (the stop waits for it), and :class:`Stopped` says so.
 A rank that is not the owner leaves what it voted for to the owner (it
 reports it as ``undecided``), or, when the owner cannot answer, removes it
@@ -40,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from .naming import Rule, publish_together
 from .temporaries import Temporary
@@ -76,9 +79,19 @@ class Stopped(NamedTuple):
 
 
 class Outputs:
-    """The outputs one program is making on this rank (see the module docstring)."""
+    """The outputs one program is making on this rank (see the module docstring).
 
-    def __init__(self) -> None:
+    Parameters
+    ----------
+    sync : callable, optional
+        Called by the main thread, holding no lock, before it votes and (the
+        owner) before it takes a group as committed; returns once every signal this process
+        received so far has been handled (the CLI's
+        :meth:`mpiattn.cli.signals.Guard.sync`).
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self._sync = sync
         self._cond = threading.Condition()
         self._writing: dict[str, Temporary] = {}
         self._voting: dict[str, tuple[Temporary, str, int | None]] = {}
@@ -130,6 +143,8 @@ class Outputs:
     def vote(self, group: Sequence[tuple[Temporary, str]]) -> None:
         """This rank's vote to publish ``group`` (``(tmp, target)`` pairs; call it inside the
         collective agreement that counts the votes). Never once stopped."""
+        if self._sync is not None:
+            self._sync()
         with self._step():
             for tmp, target in group:
                 self._writing.pop(tmp.dir, None)
@@ -141,7 +156,11 @@ class Outputs:
 
     def decided(self, group: Sequence[tuple[Temporary, str]]) -> None:
         """Every rank voted for ``group`` (the agreement returned): it is committed, unless the
-        owner revoked it meanwhile (then this blocks for good: the stop's thread speaks)."""
+        owner revoked it meanwhile (then this blocks for good: the stop's thread speaks). The
+        owner handles its signals first (``sync``); another rank must not wait for its own
+        handler here: that one may be waiting for the owner, which waits for this rank."""
+        if self._sync is not None and any(tmp.owner for tmp, _ in group):
+            self._sync()
         self._cond.acquire()
         if any(tmp.dir in self._revoked for tmp, _ in group):
             self._cond.release()

@@ -259,6 +259,23 @@ def test_one_message_whichever_handler_runs_first(job_dir, command, where, when,
     _check_outcome(job_dir, command, sig, late, before, code, out, err)
 
 
+# (command, ranks, where, who fires and is held back 1 s): the signal reaches the process before
+# it votes, but its handler runs late; the rank handles it before it votes all the same.
+SLOW = [("run", 0, R + "reserve", 0), ("decode", 0, R + "reserve", 0),
+        ("run", 2, R + "reserve", 0), ("run", 2, "mpiattn.io.writing._write_slabs", 1),
+        ("decode", 2, "mpiattn.io.writing._write_slabs", 0)]
+
+
+@pytest.mark.parametrize("command,ranks,where,who", SLOW,
+                         ids=[f"{c[0]}-{c[1]}ranks-{c[2].rpartition('.')[2]}-r{c[3]}" for c in SLOW])
+def test_a_signal_received_before_the_vote_is_never_late(job_dir, command, ranks, where, who):
+    """A handler held back past the end of the run: the signal still stops it (not "too late")."""
+    before = {name: _digest(job_dir / name) for name in ("out.h5", "cache.h5")}
+    code, out, err = _launch(job_dir, command, ranks, where, "after", who, "self", signal.SIGTERM,
+                             f"{who}:1.5")
+    _check_outcome(job_dir, command, signal.SIGTERM, False, before, code, out, err)
+
+
 def cache_length(path):
     import h5py
     with h5py.File(path, "r") as f:
