@@ -13,7 +13,16 @@ fused kernels serve at full speed, by the global positions of the rows:
   which is exactly torch's ``is_causal`` (one call); query rows before ``c``
   see nothing (skipped). Bottom-right causal (diagonal ``d = M - N``) is the
   same with the queries' positions moved by ``d``, so torch's top-left
-  ``is_causal`` serves it too.
+  ``is_causal`` serves it too;
+* with score modifiers (ALiBi ``-slope[b, h] |i + d - j|``, a float ``attn_mask``
+  added, a bool one or a ``mask_mod`` hiding pairs) the block is cut into tiles
+  of at most :data:`BIAS_ENTRIES` bias entries; a tile the block mask finds with
+  no visible pair is skipped, the others are one call each with the block mask's
+  additive bias (:meth:`~mpiattn.masks.BlockMask.bias`: padding, causal and the
+  modifiers, ``-inf`` where hidden), made on the host and moved to the arrays'
+  device. torch's kernels give a row whose bias is ``-inf`` everywhere ``out = 0``,
+  ``lse = 0``: :mod:`mpiattn.kernels.torch_ops` sets its ``lse`` to ``-inf``, so the
+  merge ignores it (in the backward, ``lse = -inf`` is passed as ``+inf``: ``P = 0``).
 
 Each call returns its rows' ``(out, lse)``, merged into the running result
 with the overflow-safe log-sum-exp update. The backward makes the same calls
@@ -22,8 +31,11 @@ with the global ``out`` and ``lse`` (exact per block, FlashAttention-2).
 Supported: NumPy (torch CPU) float32, float64, float16, bfloat16 (``ml_dtypes``); CuPy (torch CUDA)
 float16, float32 with head dims that are multiples of 8 (not yet run on a
 GPU); masks: causal and key padding (windows and documents go to
-``native``). Tested on the CPU with torch 2.13 and 2.11 (the GPU machine's);
-support is decided by the ops' schemas (:mod:`mpiattn.kernels.torch_ops`).
+``native``); score modifiers: ALiBi, ``attn_mask`` (bool or float) and
+``mask_mod``, forward and backward (softcap and ``max_logit`` go to ``native``:
+SDPA has no nonlinear score, nor the scores' maximum). Tested on the CPU with
+torch 2.13 and 2.11 (the GPU machine's; the modifiers on 2.13 only); support is
+decided by the ops' schemas (:mod:`mpiattn.kernels.torch_ops`).
 """
 
 from __future__ import annotations
@@ -42,6 +54,9 @@ __all__ = ["TorchEngine", "runs"]
 
 #: Target bytes of one key/value block in flight when the caller gave no block size.
 BLOCK_BYTES = 64 * 2**20
+
+#: Most entries (batch x heads x queries x keys) of the bias of one call with score modifiers.
+BIAS_ENTRIES = 2**22
 
 
 def runs(pos: np.ndarray) -> list[tuple[int, int]]:
@@ -75,6 +90,49 @@ def _padding(mask: BlockMask, j0: int, j1: int) -> Any:
     return None if mask.pad is None else ~mask.pad[:, None, None, j0:j1]
 
 
+def _modified(mask: BlockMask) -> bool:
+    """The scores of ``mask``'s block have pairs hidden or terms added by the score modifiers."""
+    return mask.mods is not None and (mask.mods.hides or mask.mods.adds)
+
+
+def _tiles(n: int, m: int, width: int) -> Iterator[tuple[int, int, int, int]]:
+    """Tiles ``(i0, i1, j0, j1)`` covering ``n`` queries x ``m`` keys, each of at most
+    ``BIAS_ENTRIES // width`` pairs (``width``: batch x heads); whole key rows when they fit."""
+    if n == 0 or m == 0:
+        return
+    pairs = max(BIAS_ENTRIES // max(width, 1), 1)
+    cols = max(min(m, pairs // min(n, DEFAULT_TILE)), 1)
+    rows = max(min(n, pairs // cols), 1)
+    for i0 in range(0, n, rows):
+        for j0 in range(0, m, cols):
+            yield i0, min(i0 + rows, n), j0, min(j0 + cols, m)
+
+
+def _plan(mask: BlockMask, xp: Any, dtype: Any,
+          width: int) -> Iterator[tuple[int, int, int, int, bool, Any, Any]]:
+    """The calls of one block: ``(i0, i1, j0, j1, causal_aligned, keep, bias)``.
+
+    Without score modifiers, the runs of :func:`_calls` with the padding as ``keep`` (bool,
+    True = visible). With them, tiles of :func:`_tiles`: those the block mask finds with no
+    visible pair are skipped, the others get its additive ``bias`` in ``dtype`` on ``xp``'s
+    device (padding, causal, ALiBi, ``attn_mask``, ``mask_mod``; per query head, ``group``
+    1: :meth:`~mpiattn.masks.BlockMask.bias`), or None when it would be all 0.
+    """
+    if not _modified(mask):
+        for i0, i1, j0, j1, aligned in _calls(mask):
+            yield i0, i1, j0, j1, aligned, _padding(mask, j0, j1), None
+        return
+    for i0, i1, j0, j1 in _tiles(mask.q_pos.size, mask.k_pos.size, width):
+        vis = mask.visibility(i0, i1, j0, j1)
+        if vis != "none":
+            yield i0, i1, j0, j1, False, None, mask.bias(xp, i0, i1, j0, j1, dtype, 1, vis)
+
+
+def _bias_dtype(q: Any) -> Any:
+    """The bias dtype torch's kernels take exactly for ``q`` (see :mod:`.torch_ops`)."""
+    return np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
+
+
 class _TorchForward:
     def __init__(self, q: Any, scale: float, acc_dtype: Any, ev: int, finite: bool):
         xp = backend.array_module(q)
@@ -87,11 +145,13 @@ class _TorchForward:
     def add(self, k: Any, v: Any, mask: BlockMask) -> None:
         if not self.finite:
             self._mark_nonfinite_keys(k, mask)
-        with torch_ops.one_pool(backend.array_module(k)):
-            for i0, i1, j0, j1, aligned in _calls(mask):
+        xp = backend.array_module(k)
+        B, H = self.q.shape[:2]
+        with torch_ops.one_pool(xp):
+            for i0, i1, j0, j1, aligned, keep, bias in _plan(mask, xp, _bias_dtype(self.q), B * H):
                 o_c, lse_c = torch_ops.block_forward(
                     self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], scale=self.scale,
-                    mask=_padding(mask, j0, j1), causal_aligned=aligned)
+                    mask=keep, causal_aligned=aligned, bias=bias)
                 torch_ops.merge(self.out[:, :, i0:i1], self.lse[:, :, i0:i1], o_c, lse_c)
 
     def _mark_nonfinite_keys(self, k: Any, mask: BlockMask) -> None:
@@ -139,11 +199,12 @@ class _TorchBackward:
             self._add(k, v, mask, dk, dv)
 
     def _add(self, k: Any, v: Any, mask: BlockMask, dk: Any, dv: Any) -> None:
-        for i0, i1, j0, j1, aligned in _calls(mask):
+        xp, (B, H) = backend.array_module(k), self.q.shape[:2]
+        for i0, i1, j0, j1, aligned, keep, bias in _plan(mask, xp, _bias_dtype(self.q), B * H):
             dq_c, dk_c, dv_c = torch_ops.block_backward(
                 self.dout[:, :, i0:i1], self.q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1],
                 self.out[:, :, i0:i1], self.lse[:, :, i0:i1], scale=self.scale,
-                mask=_padding(mask, j0, j1), causal_aligned=aligned)
+                mask=keep, causal_aligned=aligned, bias=bias)
             self.dq[:, :, i0:i1] += dq_c
             dk[:, :, j0:j1] += dk_c
             dv[:, :, j0:j1] += dv_c
@@ -159,7 +220,8 @@ class TorchEngine(Engine):
     capabilities = Capabilities(
         dtypes={"numpy": ("float16", "bfloat16", "float32", "float64"),
                 "cupy": ("float16", "float32")},
-        rules=("causal", "padding"), needs_out=True, head_dim_multiple={"cupy": 8})
+        rules=("causal", "padding"), needs_out=True, head_dim_multiple={"cupy": 8},
+        modifiers=("alibi", "attn_mask", "mask_mod"))
 
     def usable(self, device: str) -> str | None:
         """None when torch imports here, its kernels have the expected signatures, and (for

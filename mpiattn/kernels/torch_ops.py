@@ -24,7 +24,9 @@ Findings, torch 2.13.0+cpu (see :data:`TESTED_TORCH` for the versions tested)
 * ``attn_mask``: additive float only (bool is rejected: "Attention mask is the same data
   type as query"); 2-D (n|1, m|1) or 4-D (B|1, H|1, n|1, m|1), size-1 dims broadcast
   (1-D/3-D rejected). The check admits a float32 mask for float64 queries, but the result
-  is silently WRONG (lse errors ~7); so the mask is made in q's dtype (fine for all four).
+  is silently WRONG (lse errors ~7); so the mask is float64 for float64. For float16 and
+  bfloat16 a float32 mask is exact (added in float32: errors as without a mask), a half one
+  rounds an ALiBi bias (out errors 0.03-0.15): the mask is float32 there (:func:`_setup`).
 * ``is_causal``: top-left aligned (key j visible to query i iff j <= i), also for n != m.
 * GQA: H != Hkv is accepted natively, query head h uses kv head h // (H // Hkv)
   (repeat_interleave order), forward and backward (dk/dv come summed per kv head); K/V are
@@ -49,7 +51,8 @@ n == m: flash's causal is bottom-right aligned) use ``_scaled_dot_product_flash_
 otherwise ``_scaled_dot_product_efficient_attention`` (float16/bfloat16/float32, causal
 top-left, lse padded to 32 rows). Key padding goes in as a compact ``(B, m)`` additive bias
 (padded to 16 columns) expanded over heads and queries with stride 0: never a dense
-``(B, H, n, m)`` bias, and no boolean-mask indexing (CuPy counts its True entries in a C
+``(B, H, n, m)`` bias (but the score modifiers' bias of one bounded tile, in q's dtype),
+and no boolean-mask indexing (CuPy counts its True entries in a C
 ``int``). float64: not supported. :func:`one_pool` makes CuPy allocate from torch's caching
 allocator while the engine runs, so freed blocks are held by one pool, not two.
 """
@@ -199,17 +202,26 @@ def _host(t: Any, like: Any) -> np.ndarray:
     return t.numpy()
 
 
-def _setup(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
-    """Shapes, compact bool mask, 'nothing visible', torch additive mask, padded head dim."""
+def _setup(q: Any, k: Any, v: Any, mask: Any, causal: bool, bias: Any = None) -> tuple:
+    """Shapes, the additive mask (``mask``, causal and ``bias`` in :func:`_lse_dtype`; None when
+    nothing is hidden or added), 'nothing visible', the padded head dim."""
     B, H, Hkv, n, m, E, Ev = _check_shapes(q, k, v)
-    bm = _mask(mask, causal, (B, H, n, m))
-    empty = n == 0 or m == 0 or (bm is not None and not bm.any())
-    tm = None if bm is None or empty else _tensors(_additive(bm, q.dtype))[0]
-    return (B, H, n, E, Ev), bm, empty, tm, max(E, Ev)
+    dt, shape = _lse_dtype(q), (B, H, n, m)
+    if bias is not None and causal and mask is None:
+        mask = np.ones((1, 1, 1, 1), dtype=bool)  # with a bias, causal is one more -inf
+    bm = _mask(mask, causal, shape)
+    add = None if bm is None else _additive(bm, dt)
+    if bias is not None:
+        bias = np.asarray(bias, dtype=dt)
+        if bias.ndim != 4 or np.broadcast_shapes(bias.shape, shape) != shape:
+            raise ValueError(f"bias of shape {bias.shape} does not broadcast to {shape}")
+        add = bias if add is None else add + bias
+    empty = n == 0 or m == 0 or (add is not None and bool(np.isneginf(add).all()))
+    return (B, H, n, E, Ev), add, empty, max(E, Ev)
 
 
 def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
-                  causal_aligned: bool = False) -> tuple[Any, Any]:
+                  causal_aligned: bool = False, bias: Any = None) -> tuple[Any, Any]:
     """One block of attention, rows normalised, with its log-sum-exp.
 
     Parameters
@@ -223,6 +235,9 @@ def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
         True = visible. Combined by AND with ``causal_aligned``.
     causal_aligned : bool
         Key j visible to query i iff j <= i (local indices).
+    bias : 4-D float array broadcastable to (B, H, n, m), optional
+        Added to the scores (``-inf`` hides a pair), on q's device; taken in float32 (float64
+        for float64 q: a float32 bias is wrong there, a half one too coarse for ALiBi).
 
     Returns
     -------
@@ -231,16 +246,17 @@ def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
         where ``out`` is 0.
     """
     if _is_cupy(q):
-        return _cuda_forward(q, k, v, scale, mask, causal_aligned)
-    (B, H, n, E, Ev), bm, empty, tm, d = _setup(q, k, v, mask, causal_aligned)
+        return _cuda_forward(q, k, v, scale, mask, causal_aligned, bias)
+    (B, H, n, E, Ev), add, empty, d = _setup(q, k, v, mask, causal_aligned, bias)
     if empty:
         return np.zeros((B, H, n, Ev), q.dtype), np.full((B, H, n), -np.inf, _lse_dtype(q))
     tq, tk, tv = _tensors(_pad(q, d), _pad(k, d), _pad(v, d))
-    causal = causal_aligned and mask is None  # top-left in the kernel
+    causal = causal_aligned and add is None  # top-left in the kernel
+    tm = None if add is None else _tensors(add)[0]
     o, lse = _op(_CPU_F)(tq, tk, tv, 0.0, causal, attn_mask=tm, scale=float(scale))
     out, lse = _host(o, q)[..., :Ev], lse.numpy()  # views of torch's buffers
-    if bm is not None:
-        hidden = ~bm.any(axis=-1)  # torch gives these rows out = 0, lse = 0
+    if add is not None:
+        hidden = np.isneginf(add).all(axis=-1)  # torch gives these rows out = 0, lse = 0
         if hidden.any():
             np.copyto(lse, -np.inf, where=hidden)
             np.copyto(out, 0, where=hidden[..., None])
@@ -248,14 +264,15 @@ def block_forward(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None,
 
 
 def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, scale: float,
-                   mask: Any = None, causal_aligned: bool = False) -> tuple[Any, Any, Any]:
+                   mask: Any = None, causal_aligned: bool = False,
+                   bias: Any = None) -> tuple[Any, Any, Any]:
     """Gradients of one block given the GLOBAL ``out`` and ``lse`` (FlashAttention-2).
 
     Parameters
     ----------
     dout, out : (B, H, n, Ev) arrays; ``out``/``lse`` of the whole attention, not the block
         (cast to q's dtype if they differ, e.g. a float32 accumulator for float16).
-    q, k, v, scale, mask, causal_aligned : as in :func:`block_forward`.
+    q, k, v, scale, mask, causal_aligned, bias : as in :func:`block_forward`.
     lse : (B, H, n) array, -inf for rows with no visible key (they get zero gradients).
 
     Returns
@@ -266,8 +283,8 @@ def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, sca
         kernel's own group sums, in float32, miss the accuracy rule of the contract suite).
     """
     if _is_cupy(q):
-        return _cuda_backward(dout, q, k, v, out, lse, scale, mask, causal_aligned)
-    (B, H, n, E, Ev), bm, empty, tm, d = _setup(q, k, v, mask, causal_aligned)
+        return _cuda_backward(dout, q, k, v, out, lse, scale, mask, causal_aligned, bias)
+    (B, H, n, E, Ev), add, empty, d = _setup(q, k, v, mask, causal_aligned, bias)
     Hkv, m = k.shape[1], k.shape[2]
     if empty:
         return tuple(np.zeros(x.shape, q.dtype) for x in (q, k, v))
@@ -278,10 +295,9 @@ def block_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, sca
     G = H // Hkv
     if G > 1:  # one key/value head per query head: the kernel's group sums are done below
         k_w, v_w = np.repeat(k_w, G, axis=1), np.repeat(v_w, G, axis=1)
-    if tm is not None and work != q.dtype:
-        tm = _tensors(_additive(bm, work))[0]
+    tm = None if add is None else _tensors(add)[0]  # in ``work``, as the forward's
     ts = _tensors(dout, q_w, k_w, v_w, out, lse)
-    causal = causal_aligned and mask is None
+    causal = causal_aligned and add is None
     dq, dk, dv = (t.numpy() for t in _op(_CPU_F + "_backward")(*ts, 0.0, causal, attn_mask=tm,
                                                                scale=float(scale)))
     if G > 1:
@@ -347,11 +363,12 @@ def _cuda_call(fn: Any, *arrays: Any) -> list[Any]:
         return [cupy.from_dlpack(t.detach()) for t in res]
 
 
-def _cuda_plan(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
+def _cuda_plan(q: Any, k: Any, v: Any, mask: Any, causal: bool, bias: Any = None) -> tuple:
     """Shapes, use-flash flag, causal flag for the op, and the padding as a compact additive bias
     ``(B, m)`` in q's dtype (rows padded to 16 columns, the mem-efficient kernel's alignment),
     or None. ``mask`` is the key padding as ``(B, 1, 1, m)`` bool (True = visible): the bias is
-    expanded over heads and queries with stride 0, never made dense."""
+    expanded over heads and queries with stride 0, never made dense. A float ``bias`` (one
+    call's tile, with neither ``mask`` nor causal) is made dense ``(B, H, n, m)``, padded so."""
     import cupy
 
     B, H, Hkv, n, m, E, Ev = dims = _check_shapes(q, k, v)
@@ -359,6 +376,12 @@ def _cuda_plan(q: Any, k: Any, v: Any, mask: Any, causal: bool) -> tuple:
         raise NotImplementedError("torch engine on CUDA: float16/bfloat16/float32 and head "
                                   "dims multiple of 8 only (use the native engine)")
     flash = q.dtype != np.float32 and mask is None and (not causal or n == m) and E == Ev <= 256
+    if bias is not None:
+        if mask is not None or causal:
+            raise ValueError("the CUDA torch path takes a bias without padding or causal")
+        full = cupy.empty((B, H, n, -(-m // 16) * 16), dtype=q.dtype)[..., :m]
+        full[...] = bias
+        return dims, False, False, full
     if mask is None:
         return dims, flash, causal, None  # flash causal is bottom-right: only n == m above
     if mask.ndim != 4 or mask.shape[1:3] != (1, 1):
@@ -372,8 +395,9 @@ def _fold(t: Any, g: int) -> Any:
     return t.reshape(-1, 1, *t.shape[2:]).expand(-1, g, *t.shape[2:])
 
 
-def _cuda_forward(q: Any, k: Any, v: Any, scale: float, mask: Any, causal: bool) -> tuple:
-    (B, H, Hkv, n, m, E, Ev), flash, causal, bias = _cuda_plan(q, k, v, mask, causal)
+def _cuda_forward(q: Any, k: Any, v: Any, scale: float, mask: Any, causal: bool,
+                  bias: Any = None) -> tuple:
+    (B, H, Hkv, n, m, E, Ev), flash, causal, bias = _cuda_plan(q, k, v, mask, causal, bias)
     g = H // Hkv
 
     def run(torch: Any, q: Any, k: Any, v: Any, bias: Any) -> tuple:
@@ -400,14 +424,16 @@ def _cuda_forward(q: Any, k: Any, v: Any, scale: float, mask: Any, causal: bool)
 def _batches(B: int, Hkv: int, bias: Any) -> list[tuple[int, int]]:
     """Batch ranges per kernel call: all at once, or one entry at a time when a padding bias
     must be expanded over (Hkv, G) heads folded into one axis (no single stride does that)."""
-    return [(0, B)] if bias is None or Hkv == 1 or B == 1 else [(b, b + 1) for b in range(B)]
+    if bias is None or bias.ndim == 4 or Hkv == 1 or B == 1:
+        return [(0, B)]
+    return [(b, b + 1) for b in range(B)]
 
 
 def _bias_view(bias: Any, b0: int, b1: int, hkv: int, g: int, n: int) -> Any:
     """The compact ``(B, m)`` bias of entries ``b0:b1`` as ``((b1-b0)*hkv, g, n, m)``, stride 0
     over heads and queries (a view: nothing dense is made)."""
-    if bias is None:
-        return None
+    if bias is None or bias.ndim == 4:  # a dense (B, H, n, m) bias: H splits as (hkv, g)
+        return None if bias is None else bias[b0:b1].reshape((b1 - b0) * hkv, g, n, -1)
     part = bias[b0:b1]
     bb, m = part.shape
     if bb == 1:
@@ -416,7 +442,10 @@ def _bias_view(bias: Any, b0: int, b1: int, hkv: int, g: int, n: int) -> Any:
 
 
 def _visible_rows(torch: Any, bias: Any, n: int, causal: bool) -> Any:
-    """``(B, 1, n)`` bool: the query rows that see some key under the padding (and causal)."""
+    """``(B, 1, n)`` bool: the query rows that see some key under the padding (and causal);
+    ``(B, H, n)`` for a dense bias."""
+    if bias.ndim == 4:
+        return (bias > -np.inf).any(-1)
     keys = bias > -np.inf                                           # (B, m)
     if not causal:
         return keys.any(-1)[:, None, None].expand(-1, 1, n)
@@ -425,8 +454,8 @@ def _visible_rows(torch: Any, bias: Any, n: int, causal: bool) -> Any:
 
 
 def _cuda_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float,
-                   mask: Any, causal: bool) -> tuple:
-    (B, H, Hkv, n, m, E, Ev), flash, causal, bias = _cuda_plan(q, k, v, mask, causal)
+                   mask: Any, causal: bool, bias: Any = None) -> tuple:
+    (B, H, Hkv, n, m, E, Ev), flash, causal, bias = _cuda_plan(q, k, v, mask, causal, bias)
     g = H // Hkv
 
     def run(torch: Any, do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, bias: Any) -> tuple:

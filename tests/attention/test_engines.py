@@ -8,6 +8,7 @@ import pytest
 
 import mpiattn
 from mpiattn.kernels import engines, torch_engine, torch_ops
+from mpiattn.masks.modifiers import MODIFIERS
 from mpiattn.strategies import AttentionSpec, Options, problem
 
 from helpers import host
@@ -44,6 +45,10 @@ def test_engines_declare_what_they_support():
     assert "float64" in torch_.supports(_spec(np.float64, "cupy"))
     assert "multiples of 8" in torch_.supports(_spec(np.float32, "cupy", E=12))
     assert torch_.capabilities.needs_out and not native.capabilities.needs_out
+    assert torch_.capabilities.modifiers == ("alibi", "attn_mask", "mask_mod")
+    assert set(torch_.capabilities.modifiers) <= set(MODIFIERS)
+    assert "has no softcap" in torch_.supports(_spec(np.float32, causal=True, softcap=2.0))
+    assert native.supports(_spec(np.float32, causal=True, softcap=2.0)) is None
     with pytest.raises(ValueError, match="unknown engine 'fast'"):
         engines.get("fast")
 
