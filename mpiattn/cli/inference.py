@@ -2,11 +2,13 @@
 
 ``mpiattn prefill INPUT -o CACHE.h5``
     Attention over the prompt of ``INPUT`` (``q``, ``k``, ``v`` of one
-    length, causal; the input file's format of ``run``), then the prompt's
-    keys and values as a cache (:class:`mpiattn.KVCache`): ``CACHE.h5``
-    holds ``k``, ``v`` (the cache), ``out`` and ``lse`` (the prompt's
-    attention) and the cache's attributes, ``window`` and ``scale`` among
-    them (later decode steps use them unless told otherwise).
+    length, causal; the input file's format of ``run``, with its score
+    modifiers ``sinks``, ``alibi_slopes`` and ``--softcap``), then the
+    prompt's keys and values as a cache (:class:`mpiattn.KVCache`):
+    ``CACHE.h5`` holds ``k``, ``v`` (the cache), ``out`` and ``lse`` (the
+    prompt's attention) and the cache's attributes, ``window`` and ``scale``
+    among them (later decode steps use them unless told otherwise), and the
+    modifiers used (``sinks``, ``alibi_slopes``, attribute ``softcap``).
 ``mpiattn decode CACHE.h5 --queries Q.h5 -o OUT.h5 [--append]``
     Loads the cache at this run's rank count, attends the new queries
     ``q (B, H, t, E)`` of ``Q.h5`` (bottom-right causal: they are the last
@@ -16,6 +18,13 @@
     datasets carried over, its permission bits kept), so a sequence of
     decode runs extends one cache; ``Q.h5`` then holds as many new keys and
     values as queries (the same new tokens).
+
+Score modifiers: a cache is decoded with the ones it was made with
+(:func:`_modifiers`): ``decode`` uses the cache's ``sinks``,
+``alibi_slopes`` and ``softcap``; ``Q.h5`` and ``--softcap`` may repeat
+them, and give them where the cache records none, but a value that differs
+from the cache's is refused. ``attn_mask`` is refused by both commands
+(:data:`_NO_MASK`).
 
 The guarantees of ``run`` hold: errors are decided on every rank alike
 (exit 1), and every output path is checked before anything is computed
@@ -44,27 +53,36 @@ from ..comm import errors
 from ..inference import PAGE_ROWS, KVCache
 from ..inference.placement import check_page
 from ..io import kvstore
+from ..io.schema import WHOLE_DATASETS, check_whole
 from ..kernels import engines
 from ..layouts import Layout, all_segments
 from ..strategies import Options, attention
 from .common import Console
-from .steps import prepare_output, run_timer, select_device, world_comm
+from .steps import prepare_output, rows_of_rank0, run_timer, select_device, world_comm
 
 __all__ = ["add_arguments", "cmd_prefill", "cmd_decode"]
 
 #: Attributes of a cache file that :meth:`mpiattn.KVCache.save` writes itself.
 _OWN = {"format", "format_version", "axes", "length", "page", "placement", "ranks", "rows_per_rank"}
 
+#: Why neither command takes an ``attn_mask``, and what to use instead.
+_NO_MASK = ("a mask of query rows has no file form over a cache that grows; use --window, the "
+            "sinks and alibi_slopes datasets or --softcap, or 'mpiattn run' for one masked attention")
 
-def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
+
+def add_arguments(sub: Any, positive_int: Callable, window: Callable,
+                  positive_float: Callable) -> None:
     """Add the ``prefill`` and ``decode`` sub-commands to the parser's ``sub``."""
     pre = sub.add_parser("prefill", help="attention over a prompt, kept as a key/value cache file")
-    pre.add_argument("input", help="HDF5 file with the prompt's q, k, v (one length)")
+    pre.add_argument("input", help="HDF5 file with the prompt's q, k, v (one length) [, sinks, "
+                                   "alibi_slopes]")
     pre.add_argument("-o", "--output", required=True, help="the cache file to write (k, v, out, lse)")
     pre.add_argument("--window", type=window, default=None, metavar="L,R",
                      help="sliding window (default: the input's 'window' attribute); kept in the cache")
     pre.add_argument("--scale", type=float, default=None, help="softmax scale (default: the input's "
                      "'scale' attribute, else 1/sqrt(E)); kept in the cache")
+    pre.add_argument("--softcap", type=positive_float, default=None, metavar="C",
+                     help="cap the scores: C tanh(scale q.k / C) (Gemma 2); kept in the cache")
     pre.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
                      help="rows per rank for the prompt (default contiguous)")
     pre.add_argument("--page", type=_page, default=PAGE_ROWS,
@@ -74,7 +92,8 @@ def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
 
     dec = sub.add_parser("decode", help="new queries against a key/value cache file (and append them)")
     dec.add_argument("cache", help="a cache file written by prefill (or by decode --append)")
-    dec.add_argument("--queries", required=True, help="HDF5 file with q (B, H, t, E) [, k, v]")
+    dec.add_argument("--queries", required=True,
+                     help="HDF5 file with q (B, H, t, E) [, k, v, sinks, alibi_slopes]")
     dec.add_argument("-o", "--output", required=True, help="HDF5 file to write (out, lse)")
     dec.add_argument("--append", action="store_true",
                      help="append the queries' k, v to the cache first, then replace the cache file")
@@ -82,6 +101,9 @@ def add_arguments(sub: Any, positive_int: Callable, window: Callable) -> None:
                      help="sliding window (default: the cache's 'window' attribute)")
     dec.add_argument("--scale", type=float, default=None,
                      help="softmax scale (default: the cache's 'scale' attribute, else 1/sqrt(E))")
+    dec.add_argument("--softcap", type=positive_float, default=None, metavar="C",
+                     help="cap the scores (default: the cache's 'softcap' attribute; a value "
+                          "other than the cache's is refused)")
     _common(dec, positive_int)
 
 
@@ -139,11 +161,8 @@ def cmd_prefill(args: Any, con: Console) -> int:
         if kept:
             raise ValueError(f"prefill: a cache keeps no padding or document ids; {args.input} has "
                              f"{', '.join(kept)}")
-        mods = [n for n in ("attn_mask",) if n in shapes] + list(meta.get("whole", {}))
-        if mods:
-            raise ValueError(f"prefill on the command line takes no score modifiers yet ({args.input} "
-                             f"has {', '.join(mods)}); KVCache.prefill in Python takes sinks and "
-                             "alibi_slopes")
+        if "attn_mask" in shapes:
+            raise ValueError(f"prefill takes no attn_mask ({args.input} holds one): {_NO_MASK}")
     window = meta["window"] if args.window is None else args.window
     with timer.phase("read"):
         inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta,
@@ -153,16 +172,19 @@ def cmd_prefill(args: Any, con: Console) -> int:
     q, k, v = move(inp.q), move(inp.k), move(inp.v)
     scale = inp.scale if args.scale is None else args.scale
     finite = not args.allow_nonfinite
-    options = Options(causal=True, window=window, scale=scale, layout=args.layout, engine=args.engine,
-                      check_finite=finite)
+    options = Options(causal=True, window=window, scale=scale, softcap=args.softcap,
+                      layout=args.layout, engine=args.engine, check_finite=finite)
+    mods = {name: getattr(inp, name) for name in WHOLE_DATASETS if getattr(inp, name) is not None}
     used: dict = {}
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, options=options, details=used,
-                             progress=con.progress("forward"))
+                             progress=con.progress("forward"), **mods)
     cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
     extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
-             "lse": io.Rows(backend.to_host(lse), N, 2, args.layout)}
-    attrs = {"causal": "bottom-right", "scale": scale, "input_path": os.path.abspath(args.input),
+             "lse": io.Rows(backend.to_host(lse), N, 2, args.layout),
+             **{name: rows_of_rank0(c, x) for name, x in mods.items()}}  # decode's defaults
+    attrs = {"causal": "bottom-right", "scale": scale, "softcap": args.softcap,
+             "input_path": os.path.abspath(args.input),
              "window": None if window is None else [-1 if w is None else w for w in window]}
     with timer.phase("write"):
         cache.save(args.output, force=args.force, extra=extra, outputs=con.outputs,
@@ -172,7 +194,7 @@ def cmd_prefill(args: Any, con: Console) -> int:
             f"strategy {used.get('strategy')}, engine {used.get('engine')}")
     con.say(f"  time     {timer.summary()}")
     con.say(f"  cache    {os.path.abspath(args.output)}: k, v ({cache.length} rows, pages of "
-            f"{cache.page}), out, lse")
+            f"{cache.page}), {', '.join(['out', 'lse', *mods])}")
     return 0
 
 
@@ -208,7 +230,11 @@ def cmd_decode(args: Any, con: Console) -> int:
             if tuple(cache.identity) != tuple(meta["identity"]):
                 raise ValueError(f"the cache {args.cache} changed while it was being read; nothing "
                                  "was computed")
-        new = kvstore.read_replicated(c, args.queries, ("q",), ("k", "v") if args.append else ())
+        new = kvstore.read_replicated(c, args.queries, ("q",), ("k", "v") if args.append else (),
+                                      whole=True,
+                                      refused={"attn_mask": f"which decode does not take: {_NO_MASK}"})
+        softcap, mods = _modifiers(args, meta, {n: new.pop(n) for n in WHOLE_DATASETS if n in new},
+                                   new["q"].shape)
         with errors.alike():
             if args.append and not {"k", "v"} <= set(new):
                 raise ValueError(f"--append needs the new tokens' k and v in {args.queries}")
@@ -225,8 +251,8 @@ def cmd_decode(args: Any, con: Console) -> int:
     with timer.phase("forward"):
         if args.append:
             cache.append(move(new["k"]), move(new["v"]), check_finite=finite)
-        out, lse = cache.attend(move(new["q"]), window=window, scale=scale, engine=args.engine,
-                                check_finite=finite, details=used)
+        out, lse = cache.attend(move(new["q"]), window=window, scale=scale, softcap=softcap,
+                                engine=args.engine, check_finite=finite, details=used, **mods)
     t = int(out.shape[2])
     mine = Layout([[(0, t)]] + [[] for _ in range(c.size - 1)])  # rank 0 writes the replicated result
     keep = slice(None) if c.rank == 0 else slice(0, 0)
@@ -234,20 +260,58 @@ def cmd_decode(args: Any, con: Console) -> int:
             "lse": io.Rows(backend.to_host(lse)[:, :, keep], t, 2, mine)}
     with timer.phase("write"):
         attrs = {"cache_path": os.path.abspath(args.cache), "cache_length": cache.length,
-                 "append": args.append, "engine": used.get("engine", ""), **_stamp(timer)}
+                 "append": args.append, "engine": used.get("engine", ""), "softcap": softcap,
+                 "score_modifiers": ",".join(mods) or None, **_stamp(timer)}
         files = [io.rows_target(args.output, rows, c, attrs=attrs,
                                 rule=io.REPLACE if args.force else io.NEW)]
         if grown is not None:  # one commit point for both files
             files.append(cache.target(args.cache, rule=grown.rule, extra=carried,
                                       attrs={k: v for k, v in saved.items() if k not in _OWN}))
         io.publish(c, files, outputs=con.outputs)
+    named = [*mods, *([f"softcap {softcap:g}"] if softcap is not None else [])]
     con.say(f"mpiattn {__version__} decode: {t} new token(s) against {cache.length} cached "
-            f"({c.size} rank(s), engine {used.get('engine')}){'; appended' if args.append else ''}")
+            f"({c.size} rank(s), engine {used.get('engine')}){'; appended' if args.append else ''}"
+            f"{'; ' + ', '.join(named) if named else ''}")
     con.say(f"  time     {timer.summary()}")
     con.say(f"  output   {os.path.abspath(args.output)}: out, lse")
     if args.append:
         con.say(f"  cache    {os.path.abspath(args.cache)}: {cache.length} rows")
     return 0
+
+
+def _modifiers(args: Any, meta: dict, given: dict, q_shape: tuple) -> tuple[float | None, dict]:
+    """decode's score modifiers, ``(softcap, {"sinks": ..., "alibi_slopes": ...})``.
+
+    The cache's (``meta``, what its prefill used) unless it records none; then those of the
+    queries file (``given``: its ``sinks`` and ``alibi_slopes``) and ``--softcap``. One that
+    repeats the cache's is accepted, one that differs is refused (a cache is decoded with the
+    modifiers it was made with); so are shapes that do not fit ``q``. Every rank decides alike:
+    ``meta`` is rank 0's, and every rank read ``given`` from one file.
+    """
+    cache = f"the cache {args.cache}"
+    with errors.alike():
+        if "attn_mask" in meta["extra"]:
+            raise ValueError(f"{cache} holds 'attn_mask', which decode does not take: {_NO_MASK}")
+        softcap = meta["softcap"]
+        if args.softcap is not None and softcap is not None and args.softcap != softcap:
+            raise ValueError(f"--softcap {args.softcap:g} differs from the softcap {softcap:g} "
+                             f"{cache} was made with; a cache is decoded with its own modifiers")
+        softcap = args.softcap if softcap is None else softcap
+        mods = dict(meta["whole"])
+        if len(q_shape) != 4:  # KVCache.attend refuses such a q
+            return softcap, {**given, **mods}
+        for where, whole in ((cache, mods), (args.queries, given)):
+            try:
+                check_whole({name: x.shape for name, x in whole.items()}, *q_shape[:2])
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+        for name, x in given.items():
+            if name in mods and not np.array_equal(*np.broadcast_arrays(x, mods[name])):
+                raise ValueError(f"{args.queries} holds {name} that differ from those {cache} was "
+                                 f"made with; a cache is decoded with its own modifiers (remove "
+                                 f"{name} from {args.queries})")
+            mods.setdefault(name, x)
+    return softcap, mods
 
 
 def _cache_bytes(meta: dict) -> int:

@@ -243,7 +243,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
     clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
-    inference.add_arguments(sub, _positive_int, _window)
+    inference.add_arguments(sub, _positive_int, _window, _positive_float)
 
     pl = sub.add_parser("plan", help="predict every strategy's time, traffic and memory for a "
                         "problem on a machine, and show what auto picks (runs nothing)")

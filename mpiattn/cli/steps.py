@@ -149,8 +149,8 @@ _LIKE = {"out": ("q", 0), "lse": ("q", 1), "dq": ("q", 0), "dk": ("k", 0), "dv":
 
 
 def rows_of_rank0(c: Any, x: np.ndarray) -> Any:
-    """A small 1-D dataset ``x``, the same on every rank, as :class:`mpiattn.io.Rows` that rank 0
-    writes whole (a layout giving it every row)."""
+    """A small dataset ``x``, the same on every rank, as :class:`mpiattn.io.Rows` that rank 0
+    writes whole (a layout giving it every row along axis 0)."""
     n = x.shape[0]
     everything = Layout([[(0, n)]] + [[] for _ in range(c.size - 1)])
     return io.Rows(x if c.rank == 0 else x[:0], n, 0, everything)

@@ -6,7 +6,9 @@ held it) and root attributes: ``format`` (:data:`FORMAT`),
 ``format_version``, ``axes`` (:data:`AXES`), ``length`` (``M``), ``page``
 and ``placement`` (the append policy), ``ranks`` and ``rows_per_rank`` (the
 writer's shards). Other datasets may travel beside them (the prompt's
-attention ``out`` and ``lse`` written by ``mpiattn prefill``).
+attention ``out`` and ``lse`` written by ``mpiattn prefill``, and the score
+modifiers it used: the datasets ``sinks`` and ``alibi_slopes``, the
+attribute ``softcap``).
 
 :func:`save_cache` writes through :func:`mpiattn.io.writing.write_rows`
 (each rank its own rows; published atomically, vetoed by a signal).
@@ -30,7 +32,7 @@ from .atomic import Target, on_rank0, publish
 from .naming import NEW, REPLACE, Rule
 from .publishing import Outputs
 from .opening import _open_read, _plain, identity
-from .schema import _scale_attribute, window_from_attribute
+from .schema import _scale_attribute, read_whole_datasets, window_from_attribute
 from .writing import Rows, rows_target
 
 __all__ = ["FORMAT", "VERSION", "AXES", "save_cache", "cache_target", "read_cache_meta",
@@ -106,10 +108,13 @@ def _meta(path: str) -> dict:
         except ValueError as exc:
             raise ValueError(f"{path}: attribute 'window': {exc}") from None
         scale = _scale_attribute(path, attrs.get("scale"))
+        softcap = _scale_attribute(path, attrs.get("softcap"), "softcap")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"{path}: attribute 'softcap' must be > 0, got {softcap!r}")
         B, Hkv, M, E = shapes["k"]
         return {"B": B, "Hkv": Hkv, "M": M, "E": E, "Ev": shapes["v"][3], "dtype": dtypes["k"].str,
-                "page": page, "window": window, "scale": scale, "attrs": attrs,
-                "identity": identity(f),
+                "page": page, "window": window, "scale": scale, "softcap": softcap,
+                "whole": read_whole_datasets(f, path), "attrs": attrs, "identity": identity(f),
                 "extra": {name: tuple(int(x) for x in f[name].shape) for name in sorted(f.keys())
                           if name not in ("k", "v") and hasattr(f[name], "shape")}}
 
@@ -121,10 +126,12 @@ def read_cache_meta(c: Comm, path: str) -> dict:
     -------
     dict
         ``B, Hkv, M, E, Ev`` (int), ``dtype`` (str), ``page`` (int),
-        ``window`` (``(left, right)`` or None) and ``scale`` (float or None)
-        as the file's attributes say, ``attrs`` (the root attributes),
-        ``identity`` (the file read),
-        ``extra`` (the other datasets' shapes, by name).
+        ``window`` (``(left, right)`` or None), ``scale`` and ``softcap``
+        (float or None) as the file's attributes say, ``whole`` (the
+        datasets ``sinks`` and ``alibi_slopes`` it holds, float64, by name:
+        :func:`~mpiattn.io.schema.read_whole_datasets`), ``attrs`` (the
+        root attributes), ``identity`` (the file read), ``extra`` (the
+        datasets other than ``k`` and ``v``: their shapes, by name).
 
     Raises
     ------
@@ -161,12 +168,18 @@ def read_cache_rows(c: Comm, path: str, meta: dict, start: int, stop: int,
     return out
 
 
-def read_replicated(c: Comm, path: str, names: tuple, optional: tuple = ()) -> dict:
+def read_replicated(c: Comm, path: str, names: tuple, optional: tuple = (), *,
+                    whole: bool = False, refused: Mapping[str, str] | None = None) -> dict:
     """Datasets ``names`` (and those of ``optional`` present) of ``path``, whole, on every rank.
+
+    With ``whole``, also the score modifiers' per-head datasets the file holds
+    (:func:`~mpiattn.io.schema.read_whole_datasets`: checked, float64).
+    ``refused`` maps names the file must not hold to the end of the error (``PATH holds 'NAME', ``
+    then that text).
 
     Every rank reads and checks it read the file rank 0 saw first. Raises
     the same error on every rank when the file or a required dataset is
-    missing or unreadable.
+    missing or unreadable, or the file holds a refused dataset.
     """
     seen = on_rank0(c, lambda: _identity_of(os.path.abspath(path)))
     out: dict = {}
@@ -176,6 +189,11 @@ def read_replicated(c: Comm, path: str, names: tuple, optional: tuple = ()) -> d
             with f:
                 if tuple(identity(f)) != tuple(seen):
                     raise ValueError(f"{path} changed while it was being read")
+                for name, why in (refused or {}).items():
+                    if name in f:
+                        raise ValueError(f"{path} holds {name!r}, {why}")
+                if whole:
+                    out.update(read_whole_datasets(f, path))
                 for name in (*names, *optional):
                     ds = f.get(name)
                     if ds is None and name in names:

@@ -24,7 +24,7 @@ from ..layouts import all_segments, check_layout, layout_key
 from .atomic import on_rank0
 from .hdf5types import BFLOAT16, bfloat16_dtype, is_bfloat16_type
 from .opening import _open_read, _same_input, identity
-from .schema import KEY_DATASETS, SEQ_AXIS_FROM_END, _read_meta, read_meta
+from .schema import KEY_DATASETS, SEQ_AXIS_FROM_END, _read_meta, read_meta, read_whole_datasets
 
 __all__ = ["NonFiniteError", "Inputs", "read_input", "read_whole"]
 
@@ -226,8 +226,7 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                 promoted = list(shapes[name])
                 promoted[-SEQ_AXIS_FROM_END[name]] = x.shape[axis]
                 arrays[name] = x.reshape(promoted)
-            for name in meta.get("whole", {}):
-                arrays[name] = np.asarray(f[name][...], dtype=np.float64)
+            arrays.update(read_whole_datasets(f, path, meta.get("whole", {})))
             return seen + [identity(f)]
 
     seen = c.allgather_checked(read)

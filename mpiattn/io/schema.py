@@ -26,7 +26,7 @@ from .hdf5types import BFLOAT16, is_bfloat16_type
 from .opening import _open_read, _plain, file_info, identity
 
 __all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "WHOLE_DATASETS", "window_from_attribute",
-           "read_meta"]
+           "read_whole_datasets", "check_whole", "read_meta"]
 
 #: Input datasets and the axis (from the end) of their sequence dimension (``attn_mask``
 #: ``(B or 1, H or 1, N, M)``: its query rows, read like ``q``'s).
@@ -107,14 +107,35 @@ def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
                              f"B = {B}, H = {H}, N = {N}, M = {M}")
 
 
-def _validate_whole(whole: dict[str, tuple[int, ...]], shapes: dict) -> None:
-    """The shapes of ``sinks`` ((H,)) and ``alibi_slopes`` ((H,) or (B, H))."""
-    B, H = shapes["q"][:2]
-    if "sinks" in whole and whole["sinks"] != (H,):
-        raise ValueError(f"sinks has shape {whole['sinks']}, expected (H,) = ({H},)")
-    if "alibi_slopes" in whole and whole["alibi_slopes"] not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes has shape {whole['alibi_slopes']}, expected (H,) = ({H},) "
-                         f"or (B, H) = ({B}, {H})")
+def check_whole(whole: dict[str, tuple[int, ...]], B: int, H: int) -> None:
+    """Check the shapes ``whole`` (name -> shape) of ``sinks`` ((H,)) and ``alibi_slopes``
+    ((H,) or (B, H)) for queries of batch ``B`` and ``H`` heads; ValueError otherwise."""
+    if "sinks" in whole and tuple(whole["sinks"]) != (H,):
+        raise ValueError(f"sinks has shape {tuple(whole['sinks'])}, expected (H,) = ({H},)")
+    if "alibi_slopes" in whole and tuple(whole["alibi_slopes"]) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes has shape {tuple(whole['alibi_slopes'])}, expected (H,) = "
+                         f"({H},) or (B, H) = ({B}, {H})")
+
+
+def read_whole_datasets(f: Any, path: str, names: Any = WHOLE_DATASETS) -> dict[str, np.ndarray]:
+    """The datasets of :data:`WHOLE_DATASETS` among ``names`` that the open file ``f`` holds,
+    whole, as float64 arrays (``path`` names the file in the errors).
+
+    Raises
+    ------
+    TypeError
+        One of them is a group, or holds no real numbers (booleans, strings, compounds).
+    """
+    import h5py
+
+    out = {}
+    for name in WHOLE_DATASETS:
+        if name in names and name in f:
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "fiu":
+                raise TypeError(f"{path}: {name!r} must be a dataset of real numbers")
+            out[name] = np.asarray(ds[()], dtype=np.float64)
+    return out
 
 
 def window_from_attribute(value: Any) -> tuple | None:
@@ -153,16 +174,8 @@ def _read_meta(path: str) -> dict:
                             else ds.dtype.newbyteorder("=").str)  # read in native byte order
         shapes = {name: _promoted(name, s) for name, s in stored.items()}
         _validate(shapes)
-        whole = {}
-        for name in WHOLE_DATASETS:
-            if name in f:
-                import h5py
-
-                ds = f[name]
-                if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "fiu":
-                    raise TypeError(f"{path}: {name!r} must be a dataset of real numbers")
-                whole[name] = tuple(int(s) for s in ds.shape)
-        _validate_whole(whole, shapes)
+        whole = {name: x.shape for name, x in read_whole_datasets(f, path).items()}
+        check_whole(whole, *shapes["q"][:2])
         causal = _causal_attribute(path, f.attrs.get("causal"))
         scale = _scale_attribute(path, f.attrs.get("scale"))
         try:
@@ -188,16 +201,17 @@ def _causal_attribute(path: str, value: Any) -> bool | str | None:
                      f"got {value!r}")
 
 
-def _scale_attribute(path: str, value: Any) -> float | None:
-    """The ``scale`` attribute: a finite real number (not a string, not a boolean), else ValueError."""
+def _scale_attribute(path: str, value: Any, name: str = "scale") -> float | None:
+    """The ``scale`` attribute (or another one, ``name``): a finite real number (not a string,
+    not a boolean), else ValueError."""
     if value is None:
         return None
     plain = _plain(value)
     if isinstance(plain, bool) or not isinstance(plain, (int, float)):
-        raise ValueError(f"{path}: attribute 'scale' must be a number, got {value!r} "
+        raise ValueError(f"{path}: attribute {name!r} must be a number, got {value!r} "
                          f"({type(plain).__name__})")
     if not math.isfinite(plain):
-        raise ValueError(f"{path}: attribute 'scale' must be finite, got {plain!r}")
+        raise ValueError(f"{path}: attribute {name!r} must be finite, got {plain!r}")
     return float(plain)
 
 

@@ -62,3 +62,87 @@ def test_bad_modifier_datasets_are_refused_before_any_work(comm, capsys, shared_
     code, _, err = run(comm, capsys, "run", path, "-o", out)
     assert code != 0 and "sinks has shape (3,)" in err
     assert not os.path.exists(out)
+
+
+def _causal_reference(q, k, v, softcap, slopes, sinks):
+    """float64 ``out, lse`` of causal attention over all ``L`` rows of ``q``, ``k``, ``v`` with the
+    softcap, ALiBi (``slopes`` (H,) or (B, H)) and the sinks (every decode row's reference)."""
+    B, H, L, _ = q.shape
+    dist = np.abs(np.arange(L)[:, None] - np.arange(L)[None, :])
+    bias = -np.broadcast_to(slopes, (B, H))[:, :, None, None] * dist
+    vis = visible_matrix(B, L, L, True)[:, None]
+    dout = np.zeros((B, H, L, v.shape[3]))
+    return torch_reference(q, k, v, dout, vis, softcap=softcap, bias=bias, sinks=sinks)[:2]
+
+
+def test_prefill_then_decode_with_sinks_alibi_and_softcap_equal_the_reference(comm, capsys, shared_dir):
+    rng = np.random.default_rng(41)
+    B, H, Hkv, n0, E = 2, 4, 2, 4 * comm.size + 3, 4
+    q = rng.standard_normal((B, H, n0 + 1, E))
+    k, v = (rng.standard_normal((B, Hkv, n0 + 1, E)) for _ in range(2))
+    sinks, slopes = rng.standard_normal(H), rng.uniform(0.1, 0.5, (B, H))
+    ref_out, ref_lse = _causal_reference(q, k, v, 2.5, slopes, sinks)
+    prompt, cache, new, step = (os.path.join(shared_dir, n) for n in ("p.h5", "c.h5", "n.h5", "s.h5"))
+    write_h5(comm, prompt, q=q[:, :, :n0], k=k[:, :, :n0], v=v[:, :, :n0], sinks=sinks,
+             alibi_slopes=slopes)
+    code, _, err = run(comm, capsys, "prefill", prompt, "-o", cache, "--softcap", 2.5,
+                       "--layout", "zigzag", "-q")
+    assert code == 0, err
+    data, attrs = whole(cache)
+    np.testing.assert_allclose(data["out"], ref_out[:, :, :n0], rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(data["lse"], ref_lse[:, :, :n0], rtol=1e-11, atol=1e-11)
+    np.testing.assert_array_equal(data["sinks"], sinks)
+    np.testing.assert_array_equal(data["alibi_slopes"], slopes)
+    assert attrs["softcap"] == 2.5
+    # the new token's q, k, v; the sinks and the softcap come from the cache, the slopes repeat its own
+    write_h5(comm, new, q=q[:, :, n0:], k=k[:, :, n0:], v=v[:, :, n0:], alibi_slopes=slopes)
+    code, text, err = run(comm, capsys, "decode", cache, "--queries", new, "-o", step, "--append")
+    assert code == 0, err
+    assert "sinks, alibi_slopes, softcap 2.5" in text
+    got, oattrs = whole(step)
+    np.testing.assert_allclose(got["out"], ref_out[:, :, n0:], rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(got["lse"], ref_lse[:, :, n0:], rtol=1e-11, atol=1e-11)
+    assert oattrs["softcap"] == 2.5 and oattrs["score_modifiers"] == "sinks,alibi_slopes"
+    data, attrs = whole(cache)  # grown; its modifiers carried over
+    assert attrs["length"] == n0 + 1 and attrs["softcap"] == 2.5
+    np.testing.assert_array_equal(data["sinks"], sinks)
+    np.testing.assert_array_equal(data["alibi_slopes"], slopes)
+
+
+def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the_caches(
+        comm, capsys, shared_dir):
+    rng = np.random.default_rng(42)
+    q, k, v = (rng.standard_normal((1, 2, 7, 4)) for _ in range(3))
+    sinks, slopes = rng.standard_normal(2), rng.uniform(0.1, 0.5, 2)
+    path = lambda name: os.path.join(shared_dir, name)  # noqa: E731
+    prompt = dict(q=q[:, :, :6], k=k[:, :, :6], v=v[:, :, :6])
+    for more, why in [({"attn_mask": np.ones((6, 6), bool)}, "prefill takes no attn_mask"),
+                      ({"sinks": np.zeros(3)}, "sinks has shape (3,), expected (H,) = (2,)")]:
+        write_h5(comm, path("bad.h5"), **prompt, **more)
+        code, _, err = run(comm, capsys, "prefill", path("bad.h5"), "-o", path("none.h5"))
+        assert code == 1 and why in err, err
+        assert not os.path.exists(path("none.h5"))
+        assert ("'mpiattn run' for one masked attention" in err) == ("attn_mask" in more)
+    write_h5(comm, path("p.h5"), **prompt, sinks=sinks)
+    assert run(comm, capsys, "prefill", path("p.h5"), "-o", path("c.h5"), "--softcap", 2, "-q")[0] == 0
+    before = open(path("c.h5"), "rb").read() if comm.rank == 0 else None
+    token = dict(q=q[:, :, 6:], k=k[:, :, 6:], v=v[:, :, 6:])
+    decode = ("decode", path("c.h5"), "--queries", path("n.h5"), "-o", path("s.h5"))
+    for more, flags, why in [({"attn_mask": np.ones((1, 7), bool)}, (), "holds 'attn_mask', which decode does not take"),
+                             ({"sinks": sinks + 1}, (), "holds sinks that differ from those"),
+                             ({}, ("--softcap", 3), "--softcap 3 differs from the softcap 2"),
+                             ({"alibi_slopes": np.ones(3)}, (), "alibi_slopes has shape (3,)")]:
+        write_h5(comm, path("n.h5"), **token, **more)
+        code, _, err = run(comm, capsys, *decode, "--append", *flags)
+        assert code == 1 and why in err, err
+        assert not os.path.exists(path("s.h5"))
+        if comm.rank == 0:
+            assert open(path("c.h5"), "rb").read() == before  # nothing appended
+    # what the cache does not record the queries file gives (slopes); a repeated --softcap is fine
+    write_h5(comm, path("n.h5"), **token, alibi_slopes=slopes)
+    code, _, err = run(comm, capsys, *decode, "--append", "--softcap", 2, "-q")
+    assert code == 0, err
+    ref_out, ref_lse = _causal_reference(q, k, v, 2.0, slopes, sinks)
+    got = whole(path("s.h5"))[0]
+    np.testing.assert_allclose(got["out"], ref_out[:, :, 6:], rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(got["lse"], ref_lse[:, :, 6:], rtol=1e-11, atol=1e-11)
