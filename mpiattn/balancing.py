@@ -32,6 +32,8 @@ import numpy as np
 
 from . import backend
 from .layouts import Layout, all_segments, check_block_size, check_layout, positions, split_sizes
+from .masks.counts import visible_keys, visible_tiles
+from .masks.modifiers import Modifiers, check_attn_mask, check_mask_mod
 from .masks.spec import MaskSpec, check_causal, diagonal
 
 __all__ = ["balance", "row_work", "tile_work", "rank_work", "segment_ids_from_cu_seqlens",
@@ -96,29 +98,64 @@ def _segments_2d(segment_ids: Any, n: int) -> np.ndarray | None:
     return seg.astype(np.int64, copy=False)
 
 
+def _scored(n: int, m: int | None, causal: Any, window: Any, seg: np.ndarray | None,
+            attn_mask: Any, mask_mod: Any, batch: int, heads: int) -> tuple | None:
+    """With an ``attn_mask`` or ``mask_mod``: the rules and modifiers that count the pairs by
+    evaluating them (:mod:`mpiattn.masks.counts`), ``(mask, mods, m)``; else None."""
+    if attn_mask is None and mask_mod is None:
+        return None
+    m = n if m is None else operator.index(m)
+    if seg is not None and m != n:
+        raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
+    batch, heads = operator.index(batch), operator.index(heads)
+    if batch < 1 or heads < 1:
+        raise ValueError(f"batch and heads must be >= 1, got {batch} and {heads}")
+    if seg is not None and seg.shape[0] not in (1, batch):
+        raise ValueError(f"segment_ids have {seg.shape[0]} batch entries, batch is {batch}")
+    am = None
+    if attn_mask is not None:
+        am = check_attn_mask(attn_mask, batch, heads, n)
+        if am.shape[3] != m:
+            raise ValueError(f"attn_mask must span every key: its last axis must be m = {m}, "
+                             f"got {am.shape[3]}")
+    fn = None if mask_mod is None else check_mask_mod(mask_mod, batch, heads)
+    causal = check_causal(causal)
+    rules = MaskSpec(bool(causal), window, diagonal=diagonal(causal, n, m))
+    return rules, Modifiers(attn_mask=am, mask_mod=fn, B=batch, H=heads), m
+
+
 def row_work(n: int, *, causal: bool | str = False, window: Any = None, segment_ids: Any = None,
-             m: int | None = None) -> np.ndarray:
+             m: int | None = None, attn_mask: Any = None, mask_mod: Any = None, batch: int = 1,
+             heads: int = 1) -> np.ndarray:
     """Visible keys of every query row of self-attention over ``n`` rows, summed over the batch.
 
     Parameters
     ----------
     n : int
-    causal, window, segment_ids, m
+    causal, window, segment_ids, m, attn_mask, mask_mod, batch, heads
         As in :func:`balance`.
 
     Returns
     -------
     numpy.ndarray, shape (n,), int64
-        ``w[i]``: the number of (batch entry, key) pairs query ``i`` sees.
+        ``w[i]``: the number of (batch entry, key) pairs query ``i`` sees; with an
+        ``attn_mask`` or ``mask_mod``, the number of keys it sees in the mean over the
+        batch entries and heads, rounded to an integer.
 
     Notes
     -----
     ``O(B n log n)`` time (a sort and two binary searches per batch entry),
-    ``O(B n)`` memory.
+    ``O(B n)`` memory; with an ``attn_mask`` or ``mask_mod`` every pair is evaluated,
+    ``O(B H n m)`` time (:func:`mpiattn.masks.counts.visible_keys`).
     """
     n = operator.index(n)
-    jlo, jhi = _band(n, causal, window, m)
     seg = _segments_2d(segment_ids, n)
+    scored = _scored(n, m, causal, window, seg, attn_mask, mask_mod, batch, heads)
+    if scored is not None:
+        rules, mods, m = scored
+        w = visible_keys(rules, mods, np.arange(n), m, seg_q=seg, seg_k=seg)
+        return np.rint(w).astype(np.int64)
+    jlo, jhi = _band(n, causal, window, m)
     if seg is not None and m is not None and m != n:
         raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
     if seg is None:
@@ -166,7 +203,8 @@ def _new_blocks(qb: np.ndarray, bl: np.ndarray, br: np.ndarray, nb: int, nkb: in
 
 
 def tile_work(n: int, block_size: int, *, causal: bool | str = False, window: Any = None,
-              segment_ids: Any = None, m: int | None = None) -> np.ndarray | None:
+              segment_ids: Any = None, m: int | None = None, attn_mask: Any = None,
+              mask_mod: Any = None, batch: int = 1, heads: int = 1) -> np.ndarray | None:
     """Visible tiles of every block of ``block_size`` query rows, summed over the batch.
 
     Tiles are the global blocks ``[a T, (a + 1) T) x [b T, (b + 1) T)``
@@ -178,7 +216,7 @@ def tile_work(n: int, block_size: int, *, causal: bool | str = False, window: An
     n : int
     block_size : int
         ``T``, the kernels' tile rows, ``>= 1``.
-    causal, window, segment_ids, m
+    causal, window, segment_ids, m, attn_mask, mask_mod, batch, heads
         As in :func:`balance`.
 
     Returns
@@ -192,14 +230,20 @@ def tile_work(n: int, block_size: int, *, causal: bool | str = False, window: An
     -----
     With consecutive documents the keys a query sees form one interval, so
     a query block touches the union of its rows' intervals: ``O(B n log n)``
-    time, ``O(B n)`` memory.
+    time, ``O(B n)`` memory. With an ``attn_mask`` or ``mask_mod`` a tile counts once when
+    some pair of some batch entry and head is visible (the kernels skip it otherwise; every
+    pair is evaluated, :func:`mpiattn.masks.counts.visible_tiles`).
     """
     n, T = operator.index(n), check_block_size(block_size, "tile_work")
     if T is None:
         raise TypeError("tile_work: block_size must be a positive integer, got None")
     nb = -(-n // T) if n else 0
-    jlo, jhi = _band(n, causal, window, m)
     seg = _segments_2d(segment_ids, n)
+    scored = _scored(n, m, causal, window, seg, attn_mask, mask_mod, batch, heads)
+    if scored is not None:
+        rules, mods, m = scored
+        return visible_tiles(rules, mods, n, m, T, seg_q=seg, seg_k=seg)
+    jlo, jhi = _band(n, causal, window, m)
     if seg is not None and m is not None and m != n:
         raise ValueError(f"segment_ids describe self-attention (m == n), got n = {n}, m = {m}")
     nkb = -(-(n if m is None else operator.index(m)) // T)
@@ -223,7 +267,8 @@ def tile_work(n: int, block_size: int, *, causal: bool | str = False, window: An
 
 
 def rank_work(layout: Any, n: int, size: int, *, causal: bool | str = False, window: Any = None,
-              segment_ids: Any = None, m: int | None = None) -> np.ndarray:
+              segment_ids: Any = None, m: int | None = None, attn_mask: Any = None,
+              mask_mod: Any = None, batch: int = 1, heads: int = 1) -> np.ndarray:
     """Visible pairs of every rank's query rows under ``layout`` (the quantity :func:`balance` balances).
 
     Returns
@@ -231,7 +276,8 @@ def rank_work(layout: Any, n: int, size: int, *, causal: bool | str = False, win
     numpy.ndarray, shape (size,), int64
     """
     check_layout(layout)
-    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids, m=m)
+    w = row_work(n, causal=causal, window=window, segment_ids=segment_ids, m=m,
+                 attn_mask=attn_mask, mask_mod=mask_mod, batch=batch, heads=heads)
     return np.array([int(w[positions(s)].sum()) for s in all_segments(n, size, layout)], dtype=np.int64)
 
 
@@ -309,7 +355,8 @@ def _linear(prefix: np.ndarray, n: int, size: int) -> tuple[list, int]:
 
 
 def balance(n: int, size: int, *, causal: bool | str = False, window: Any = None,
-            segment_ids: Any = None, block_size: int | None = None, m: int | None = None) -> Layout:
+            segment_ids: Any = None, block_size: int | None = None, m: int | None = None,
+            attn_mask: Any = None, mask_mod: Any = None, batch: int = 1, heads: int = 1) -> Layout:
     """A layout of ``n`` rows over ``size`` ranks with an equal share of visible pairs on every rank.
 
     Parameters
@@ -338,6 +385,16 @@ def balance(n: int, size: int, *, causal: bool | str = False, window: Any = None
         queries against a longer sequence, bottom-right causal); default
         ``n``. Only the queries' layout is returned; ``segment_ids`` need
         ``m == n``.
+    attn_mask : array_like, shape (1 or batch, 1 or heads, n, m), optional
+        The call's whole ``attn_mask`` (bool: True = visible; float: ``-inf`` hides);
+        the pairs it hides do not count.
+    mask_mod : callable, optional
+        The call's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = visible), asked
+        about every pair of ``batch`` entries and ``heads`` heads; the pairs it hides
+        do not count.
+    batch, heads : int
+        The call's batch size and query heads, for ``attn_mask`` and ``mask_mod``
+        (default 1: a mask that reads neither).
 
     Returns
     -------
@@ -372,6 +429,9 @@ def balance(n: int, size: int, *, causal: bool | str = False, window: Any = None
     tiles; where some document is not one run of consecutive rows, by the
     visible pairs of each block.
 
+    With an ``attn_mask`` or ``mask_mod`` the work is counted by evaluating every pair
+    (``O(B H n m)``, in chunks; :mod:`mpiattn.masks.counts`), together with the other rules.
+
     Cost: ``O(B n log n)`` for the work, ``O(C^2 log C + P c^2 C)`` for the
     assignments (``C = c P`` chunks), ``O(B n)`` memory; deterministic and
     local, so every rank computes the same layout without communicating.
@@ -383,7 +443,8 @@ def balance(n: int, size: int, *, causal: bool | str = False, window: Any = None
         raise ValueError(f"balance needs size >= 1 ranks, got {size}")
     if n < 0:
         raise ValueError(f"balance needs n >= 0 rows, got {n}")
-    kw = dict(causal=causal, window=window, segment_ids=segment_ids, m=m)
+    kw = dict(causal=causal, window=window, segment_ids=segment_ids, m=m, attn_mask=attn_mask,
+              mask_mod=mask_mod, batch=batch, heads=heads)
     if block_size is None:
         unit, w = 1, row_work(n, **kw)
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -154,13 +154,16 @@ class Modifiers:
     alibi : (1 or B, H) float64 host array or None
         The ALiBi slopes of every query head.
     attn_mask : (1 or B, 1 or H, n_r, M) host array or None
-        This rank's query rows of the mask (bool: True = visible; float64: added).
+        This rank's query rows of the mask (bool: True = visible; float64: added); a
+        head-sharded strategy's moved rows (:meth:`moved`).
     mask_mod : callable or None
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on broadcasting int64 arrays of
         global indices (True = visible); the same function on every rank (the caller's
         duty: its name is compared, not its code).
     B, H : int
         The batch size and the query heads (``mask_mod``'s ``b`` and ``h`` range over them).
+    mask_head0 : int
+        The global query head of ``attn_mask``'s first head (0 unless :meth:`moved`).
     """
 
     softcap: float | None = None
@@ -169,6 +172,13 @@ class Modifiers:
     mask_mod: Callable | None = None
     B: int = 1
     H: int = 1
+    mask_head0: int = 0
+
+    def moved(self, attn_mask: np.ndarray, head0: int) -> "Modifiers":
+        """The same modifiers with ``attn_mask`` replaced by the rows a head-sharded strategy
+        moved to this rank, ``(1 or B, 1 or h, rows, M)``, its heads from global head ``head0``
+        (ignored for one broadcast head)."""
+        return replace(self, attn_mask=attn_mask, mask_head0=int(head0) if attn_mask.shape[1] > 1 else 0)
 
     def __post_init__(self) -> None:
         m = self.attn_mask
@@ -245,5 +255,5 @@ class Modifiers:
     def _mask_rows(self, heads: np.ndarray, rows: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
         m = self.attn_mask
         if m.shape[1] > 1:
-            m = m[:, np.asarray(heads, dtype=np.int64)]
+            m = m[:, np.asarray(heads, dtype=np.int64) - self.mask_head0]
         return m[:, :, np.asarray(rows, dtype=np.int64)][..., np.asarray(k_pos, dtype=np.int64)]

@@ -169,6 +169,12 @@ class MaskSpec:
         return tuple(m for m in MODIFIERS if on[m])
 
     @property
+    def attn_mask_itemsize(self) -> int:
+        """Bytes of one ``attn_mask`` entry as the modifiers hold it: 1 (bool), 8 (float64), 0
+        without one."""
+        return {None: 0, "bool": 1, "float": 8}[self.attn_mask]
+
+    @property
     def positional(self) -> bool:
         """True when a rule decided by positions or ids is on (tiles and blocks may be skipped)."""
         return self.causal or self.window is not None or self.segments

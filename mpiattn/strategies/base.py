@@ -35,7 +35,7 @@ from ..kernels import engines
 from ..layouts import all_segments, positions
 
 __all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "ring_phase",
-           "spread_phase", "layout_share", "sends_out"]
+           "spread_phase", "layout_share", "sends_out", "mask_bytes"]
 
 Progress = Callable[[int, int], None] | None
 
@@ -130,6 +130,13 @@ def sends_out(spec: Any) -> int:
     """1 when the call's engine needs the forward's ``out`` in the backward (it then travels), else 0."""
     name = spec.options.engine
     return int(engines.get(engines.AUTO[0] if name == "auto" else name).capabilities.needs_out)
+
+
+def mask_bytes(spec: Any, rows: float) -> float:
+    """Bytes of ``rows`` query rows of the call's ``attn_mask`` counted as a full ``(B, H, rows, M)``
+    one (bool: one byte an entry; float: float64), 0 without one: what a head-sharded strategy
+    moves at most (one broadcast head sent to each of ``P <= H`` ranks is no more)."""
+    return float(rows) * spec.B * spec.H * spec.M * spec.mask.attn_mask_itemsize
 
 
 def layout_share(row_pairs: Any, N: int, P: int, layout: Any) -> float:

@@ -10,7 +10,9 @@ head subset, each group's rows one explicit layout; an all-to-all brings the
 result back. The backward does the same in reverse. GQA/MQA with fewer
 key/value heads than ``u``: a key/value head is replicated inside the group
 (each member takes the one its query heads use; LoongTrain's way), not the
-whole K/V, and its gradients are summed on the way back.
+whole K/V, and its gradients are summed on the way back. An ``attn_mask``
+moves with the queries (member ``j`` gets its heads' rows of the group's
+queries, or all of them for one broadcast head).
 
 Placement (by the communicator's :class:`~mpiattn.comm.topology.Topology`,
 the ranks taken node by node): ``head-first`` (the default) puts each head
@@ -36,7 +38,7 @@ from typing import Any
 from .. import backend
 from ..comm.device import configure
 from ..layouts import Layout, all_segments, local_lengths
-from .base import Phase, Strategy, blocked_memory, ring_phase, sends_out, spread_phase
+from .base import Phase, Strategy, blocked_memory, mask_bytes, ring_phase, sends_out, spread_phase
 from .heads import to_heads, to_rows
 from .ring import Ring
 
@@ -104,9 +106,6 @@ class Hybrid(Strategy):
         P = topology.P
         if self.u is None:
             return None  # u = 1 (the ring) always fits
-        if spec.mask.attn_mask is not None and self.u > 1:
-            return (f"strategy {self.label!r} does not move an attn_mask's rows to the heads' "
-                    "ranks; use 'ring' or 'allgather', or a mask_mod")
         if self.u * self.r != P:
             return f"strategy {self.label!r} needs U x R = {self.u * self.r} ranks, the call has {P}"
         why = self._heads_fit(spec, self.u)
@@ -117,8 +116,7 @@ class Hybrid(Strategy):
             return [self]
         P = topology.P
         return [Hybrid(u, P // u, self.placement) for u in range(1, P + 1)
-                if P % u == 0 and self._heads_fit(spec, u) is None
-                and (spec.mask.attn_mask is None or u == 1)]
+                if P % u == 0 and self._heads_fit(spec, u) is None]
 
     # ------------------------------------------------------------- the grid
     def grid(self, topology: Any) -> tuple[list[list[int]], list[list[int]]]:
@@ -146,13 +144,14 @@ class Hybrid(Strategy):
         groups, rings = self.grid(topology)
         q, o = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev
         kv_dest = spec.B * hkv * (spec.E + spec.Ev) * m  # what a member sends each other member
-        if not backward:  # q, k, v in; out, lse back
-            per_dest = (n * (q + o) * s + n * spec.B * spec.H * a) / u + kv_dest * s
+        mask = mask_bytes(spec, n) / u if u > 1 else 0.0
+        if not backward:  # q, k, v (and an attn_mask) in; out, lse back
+            per_dest = (n * (q + o) * s + n * spec.B * spec.H * a) / u + kv_dest * s + mask
         else:  # q, k, v, dout, out (an engine that needs it), lse, D in; dq, dk, dv back
             per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
-                        + kv_dest * (s + a))
-        a2a = max((spread_phase(topology, grp, per_dest, ((8 + sends_out(spec)) if backward else 5) * (u - 1),
-                                groups)
+                        + kv_dest * (s + a) + mask)
+        calls = ((8 + sends_out(spec)) if backward else 5) + (mask > 0)
+        a2a = max((spread_phase(topology, grp, per_dest, calls * (u - 1), groups)
                    for grp in groups), key=lambda p: (p.between, p.inside)) if u > 1 else None
         step = u * m * spec.B * hkv * (spec.E + spec.Ev) * s
         if backward:
@@ -176,6 +175,8 @@ class Hybrid(Strategy):
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         moved = spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
                                           + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+        if self.u is not None and self.u > 1:  # the moved attn_mask: the group's rows, 1/u of the heads
+            moved += int(mask_bytes(spec, spec.N * self.u / P)) // self.u
         return blocked_memory(spec, P, block, backward, moved=moved)
 
     # ------------------------------------------------------------- the call
@@ -200,6 +201,10 @@ class Hybrid(Strategy):
         m_rows = [local_lengths(s.M, c.size, s.kv_layout)[rank] for rank in groups[g]]
         spec_r = replace(s, H=hq, Hkv=len(kv_heads[j]), layout=q_lay, kv_layout=k_lay)
         pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING, heads=tuple(q_heads[j]))
+        if pb.mods is not None and pb.mods.attn_mask is not None and self.u > 1:
+            m = pb.mods.attn_mask  # the group's rows of this member's heads (or of the one head)
+            moved = to_heads(gc, m, q_heads if m.shape[1] > 1 else [[0]] * self.u, n_rows)
+            pb_r = replace(pb_r, mods=pb.mods.moved(moved, q_heads[j][0]))
         return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r
 
     @staticmethod

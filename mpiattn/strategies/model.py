@@ -179,10 +179,12 @@ def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: M
 
 
 def choose(strategies: Sequence[Strategy], spec: Any, topology: Any, block: int,
-           machine: Machine, rate_dtype: str | None = None) -> tuple[Strategy, Prediction]:
+           machine: Machine, rate_dtype: str | None = None,
+           pairs: np.ndarray | None = None) -> tuple[Strategy, Prediction]:
     """The candidate with the smallest predicted forward+backward time among those whose
-    memory fits the machine's (all of them when none fits); ties go to the first."""
-    pairs = row_pairs(spec)
+    memory fits the machine's (all of them when none fits); ties go to the first. ``pairs``
+    as in :func:`predict`."""
+    pairs = row_pairs(spec) if pairs is None else pairs
     preds = [(s, predict(s, spec, topology, block, machine, pairs, rate_dtype)) for s in strategies]
     if not preds:
         raise ValueError("no strategy supports this call")

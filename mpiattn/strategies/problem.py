@@ -25,6 +25,7 @@ from ..kernels.call import KernelCall
 from ..kernels.engine import Engine
 from ..layouts import Layout, all_segments, check_shares, describe, layout_key, positions
 from ..masks import QuerySide, diagonal
+from ..masks.counts import key_step_for, visible_keys
 from ..masks.ids import global_rows, local_ids
 from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod,
                                check_slopes)
@@ -254,6 +255,24 @@ def _key_layout(options: Options, N: int, M: int) -> Any:
     return options.layout
 
 
+#: The most (pair x batch x head) entries of an ``attn_mask`` or ``mask_mod`` a rank evaluates to
+#: count its rows' visible pairs for the cost model (more: every few keys, scaled).
+PAIRS_LIMIT = 2**22
+
+
+def _visible_pairs(c: Comm, spec: AttentionSpec, mods: Modifiers) -> np.ndarray:
+    """The visible keys of every global query row under the rules, ``attn_mask`` and ``mask_mod``
+    (each rank counts its rows, :func:`mpiattn.masks.counts.visible_keys`; collective)."""
+    segs = all_segments(spec.N, c.size, spec.layout)
+    q_pos = positions(segs[c.rank])
+    step = key_step_for(q_pos.size, spec.M, mods, PAIRS_LIMIT)
+    got = c.allgather_checked(lambda: visible_keys(spec.mask, mods, q_pos, spec.M, key_step=step))
+    pairs = np.zeros(spec.N, dtype=np.float64)
+    for seg, w in zip(segs, got):
+        pairs[positions(seg)] = w
+    return pairs
+
+
 # --------------------------------------------------------------- the call
 def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
              settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None,
@@ -295,17 +314,21 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)
-        strategy, strategy_reason = registry.resolve(spec, c.topology, block, got[0]["_machine"])
+        kept = ids["scores"]
+        mods = None
+        if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
+            mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
+                             kept.get("mask_mod"), spec.B, spec.H)
+        pairs = None
+        if registry.needs_choice(options.strategy) and mods is not None and mods.hides:
+            pairs = _visible_pairs(c, spec, mods)
+        strategy, strategy_reason = registry.resolve(spec, c.topology, block, got[0]["_machine"],
+                                                     pairs=pairs)
     prepare(c, q, k, v)  # every rank is here, with the same backend
     seg_q = seg_k = None
     if spec.mask.segments:
         seg_q = global_rows(c, ids["q"], N, spec.layout)
         seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
-    kept = ids["scores"]
-    mods = None
-    if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
-        mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
-                         kept.get("mask_mod"), spec.B, spec.H)
     return Problem(spec, c.size, c.rank, strategy, engine, int(block),
                    int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
                    engine_reason, seg_q, seg_k, mods, kept.get("sinks"))

@@ -84,16 +84,18 @@ def pool(spec: Any, topology: Any) -> list[Strategy]:
 
 
 def resolve(spec: Any, topology: Any, block: int, machine: Any,
-            rate_dtype: str | None = None) -> tuple[Strategy, str]:
+            rate_dtype: str | None = None, pairs: Any = None) -> tuple[Strategy, str]:
     """The configured strategy for the call and why (see the module docstring).
 
     ``machine`` (a :class:`~mpiattn.strategies.machines.Machine`) is needed
-    only when there is a choice to make (None otherwise).
+    only when there is a choice to make (None otherwise). ``pairs``: the visible keys
+    of every query row when the call counted them (an ``attn_mask`` or ``mask_mod``,
+    :mod:`mpiattn.masks.counts`); default :func:`~mpiattn.strategies.model.row_pairs`.
     """
     candidates = pool(spec, topology)
     if not needs_choice(spec.options.strategy):
         return candidates[0], "requested"
-    best, pred = choose(candidates, spec, topology, block, machine, rate_dtype)
+    best, pred = choose(candidates, spec, topology, block, machine, rate_dtype, pairs)
     fits = "" if machine.fits(pred.memory) else "; no candidate fits the machine's memory"
     return best, (f"{spec.options.strategy}: the fastest the model predicts on {machine.name}, "
                   f"{topology.describe()} ({pred.fwdbwd_s:.3g} s forward+backward, parallel "

@@ -4,14 +4,21 @@ Each rank attends its ``H/P`` heads over the whole sequence with the local
 engine (Jacobs et al. 2023, DeepSpeed-Ulysses). Needs ``H`` and ``Hkv``
 divisible by ``P``.
 
+An ``attn_mask`` moves with the queries: each rank gets its heads' rows of
+every query, ``(1 or B, H/P, N, M)``, or all of one broadcast head,
+``(1 or B, 1, N, M)``, in one more all-to-all per pass.
+
 Costs per rank: the ring's FLOPs; words sent forward
 ``(P-1)/P B (n H (E+Ev) + m Hkv (E+Ev))`` in five all-to-alls (q, k, v in;
-out, lse back); memory: the head-sharded copies of the whole sequence,
-``B (N (H E + H Ev) + M Hkv (E+Ev)) / P`` words, and one tile.
+out, lse back), and an ``attn_mask``'s rows (counted as ``(B, H)`` ones, at
+most what either shape sends); memory: the head-sharded copies of the whole
+sequence, ``B (N (H E + H Ev) + M Hkv (E+Ev)) / P`` words, the moved mask,
+``B (H/P) N M`` entries at most, and one tile.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +27,7 @@ from .. import backend
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
 from ..masks.ids import global_rows
-from .base import Phase, Strategy, blocked_memory, sends_out, spread_phase
+from .base import Phase, Strategy, blocked_memory, mask_bytes, sends_out, spread_phase
 from .blocked import KeyBlock, run_backward, run_forward
 
 __all__ = ["Ulysses"]
@@ -66,8 +73,21 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
     return xp.ascontiguousarray(got.reshape(P, B, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(B, P * hp, n, F)
 
 
+def _moved_mask(c: Comm, pb: Any) -> Any:
+    """``pb`` with its ``attn_mask`` rows moved to this rank's heads of every query (global order)."""
+    mods = pb.mods
+    if mods is None or mods.attn_mask is None or c.size == 1:
+        return pb
+    m, P = mods.attn_mask, c.size
+    if m.shape[1] == 1:  # one head for all: every rank needs every row
+        m = np.broadcast_to(m, (m.shape[0], P) + m.shape[2:])
+    moved = _seq_to_heads(c, m, pb.spec.N, pb.spec.layout)
+    return replace(pb, mods=mods.moved(moved, c.rank * (pb.spec.H // P)))
+
+
 def _whole(c: Comm, pb: Any, kh: Any, vh: Any, mask: Any, grads: tuple = ()) -> tuple:
     """This rank's heads of every query against one block of every key (the runner's input)."""
+    pb = _moved_mask(c, pb)
     s = pb.spec
     pad = global_rows(c, mask, s.M, s.kv_layout) if s.mask.padding else None
     hp = s.H // pb.P
@@ -83,9 +103,6 @@ class Ulysses(Strategy):
 
     def supports(self, spec: Any, topology: Any) -> str | None:
         P = topology.P
-        if spec.mask.attn_mask is not None and P > 1:
-            return ("strategy 'ulysses' does not move an attn_mask's rows to the heads' ranks; use "
-                    "'ring' or 'allgather', or a mask_mod")
         if spec.H % P or spec.Hkv % P:
             return (f"strategy 'ulysses' needs the query heads H = {spec.H} and key/value heads "
                     f"Hkv = {spec.Hkv} divisible by the number of ranks ({P}); use 'ring' or "
@@ -99,14 +116,16 @@ class Ulysses(Strategy):
         n, m, s = spec.N / P, spec.M / P, spec.itemsize
         a = spec.acc_dtype.itemsize
         q, o, kv = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev, spec.B * spec.Hkv * (spec.E + spec.Ev)
-        if not backward:  # q, k, v in; out, lse back
-            per_rank = n * q * s + m * kv * s + n * o * s + n * spec.B * spec.H * a
-            return [spread_phase(topology, range(P), per_rank / P, 5 * (P - 1))]
+        mask = mask_bytes(spec, n)
+        if not backward:  # q, k, v (and an attn_mask) in; out, lse back
+            per_rank = n * q * s + m * kv * s + n * o * s + n * spec.B * spec.H * a + mask
+            return [spread_phase(topology, range(P), per_rank / P, (5 + (mask > 0)) * (P - 1))]
         # q, k, v, dout, out (for an engine that needs it), lse and D in; dq, dk, dv back
         # (accumulation dtype)
         out = sends_out(spec)
-        per_rank = ((n * q + m * kv) * (s + a) + (1 + out) * n * o * s + 2 * n * spec.B * spec.H * a)
-        return [spread_phase(topology, range(P), per_rank / P, (8 + out) * (P - 1))]
+        per_rank = ((n * q + m * kv) * (s + a) + (1 + out) * n * o * s + 2 * n * spec.B * spec.H * a
+                    + mask)
+        return [spread_phase(topology, range(P), per_rank / P, (8 + out + (mask > 0)) * (P - 1))]
 
     def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
         """Every rank attends the whole sequence for its heads: an even share."""
@@ -115,6 +134,7 @@ class Ulysses(Strategy):
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         moved = 2 * spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
                                               + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+        moved += int(mask_bytes(spec, spec.N)) // P
         return blocked_memory(spec, P, block, backward, heads=P, whole=True, moved=moved)
 
     def forward(self, c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,

@@ -21,11 +21,14 @@ The matrix: dtypes (bfloat16 as ``ml_dtypes.bfloat16`` arrays: the inputs rounde
 bfloat16, the reference computed from those rounded values in float64), masks (causal, windows, documents, padding, fully masked rows),
 layouts (named, explicit, balanced), GQA/MQA, uneven and empty shards, N != M; and a
 sample of FlashAttention's own test grid (sequence-length pairs, head dims 32..256,
-9 query heads on 9, 3 or 1 key/value heads, random windows).
+9 query heads on 9, 3 or 1 key/value heads, random windows), some of its cases again with a
+softcap and learnable sinks (FlashAttention 3/4's ``softcap`` and ``learnable_sink``), whose
+reference is torch autograd (``helpers.torch_reference``), ``dsinks`` included and held to
+the same rule.
 """
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -35,7 +38,7 @@ from mpiattn.comm import get_comm
 from mpiattn.kernels import engines
 from mpiattn.strategies import AttentionSpec, Options, registry
 
-from helpers import dense_attention, host, visible_matrix
+from helpers import dense_attention, host, torch_reference, visible_matrix
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Case:
     kv_layout: str | None = None
     block: int | None = 7
     seed: int = 0
+    softcap: float | None = None
+    sinks: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -120,7 +125,19 @@ def _flash_grid_sample():
     return out
 
 
-CASES = BASE + _flash_grid_sample()
+def _flash_scores_sample():
+    """FlashAttention grid cases with a softcap and sinks (its tests' softcap 0 / 15 / 50 scaled to
+    these small scores: 0.8 and 5)."""
+    grid = {c.name: c for c in _flash_grid_sample()}
+    out = []
+    for name, softcap in (("flash-113x203-d64-hkv9", 5.0), ("flash-128x217-d160-hkv3", 0.8),
+                          ("flash-108x256-d40-hkv1", 0.8), ("flash-239x1-d59-hkv3", None)):
+        c = grid[name]
+        out.append(replace(c, name=f"{name}-softcap{softcap}-sinks", softcap=softcap, sinks=True))
+    return out
+
+
+CASES = BASE + _flash_grid_sample() + _flash_scores_sample()
 #: Every configured strategy for 1-4 ranks: the plain ones and every ``hybrid:UxR`` split in each
 #: placement (a run skips the splits whose ``U x R`` is not its rank count).
 STRATEGIES = list(dict.fromkeys(name for P in range(1, 5) for name in registry.variants(P)))
@@ -158,13 +175,18 @@ def _data(case):
     if pad is not None:
         pad[-1] = True  # a batch entry with no key at all
     vis = visible_matrix(case.B, case.N, case.m, case.causal, case.window, seg, seg, pad)
-    ref = dense_attention(Q, K, V, vis[:, None], None, dO)
-    base = _baseline(Q, K, V, dO, vis[:, None], dt)
-    return Q, K, V, dO, seg, pad, vis, ref, base
+    sinks = rng.standard_normal(case.H) if case.sinks else None
+    if case.sinks or case.softcap is not None:
+        ref = torch_reference(Q, K, V, dO, vis[:, None], softcap=case.softcap, sinks=sinks)[:6]
+    else:
+        ref = dense_attention(Q, K, V, vis[:, None], None, dO)
+    base = _baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks)
+    return Q, K, V, dO, seg, pad, vis, ref, base, sinks
 
 
-def _baseline(Q, K, V, dO, vis, dt):
-    """Plain attention in the inputs' dtype (torch autograd, else NumPy): the error to beat."""
+def _baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None):
+    """Plain attention in the inputs' dtype (torch autograd, else NumPy): the error to beat; with
+    a ``softcap`` and ``sinks`` (torch only) also ``dsinks``."""
     try:
         import torch
     except ImportError:
@@ -177,13 +199,23 @@ def _baseline(Q, K, V, dO, vis, dt):
     s = 1 / np.sqrt(Q.shape[-1])
     Kr, Vr = t[1].repeat_interleave(G, dim=1), t[2].repeat_interleave(G, dim=1)
     S = (t[0] @ Kr.transpose(-1, -2)) * s
+    if softcap is not None:
+        S = softcap * torch.tanh(S / softcap)
     mask = torch.from_numpy(np.broadcast_to(vis, S.shape).copy())
     S = S.masked_fill(~mask, float("-inf"))
+    host_ = lambda x: x.detach().to(torch.float64).numpy() if tdt is not None else x.numpy()  # noqa: E731
+    if sinks is not None:  # one more column in each row's softmax, not a key
+        sk = as_t(np.asarray(sinks, dtype=dt)).requires_grad_(True)
+        col = sk.view(1, -1, 1, 1).expand(*S.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([S, col], -1), -1)
+        out = torch.exp(S - lse[..., None]) @ Vr
+        out.backward(as_t(dO))
+        return (host_(out.detach()), host_(lse.detach()), host_(t[0].grad), host_(t[1].grad),
+                host_(t[2].grad), host_(sk.grad))
     lse = torch.logsumexp(S.detach(), dim=-1)
     P = torch.softmax(S, dim=-1).nan_to_num(0.0)
     out = P @ Vr
     out.backward(as_t(dO))
-    host_ = lambda x: x.detach().to(torch.float64).numpy() if tdt is not None else x.numpy()  # noqa: E731
     return (host_(out.detach()), host_(lse), host_(t[0].grad), host_(t[1].grad), host_(t[2].grad))
 
 
@@ -242,12 +274,13 @@ def _layouts(case, P, seg):
 
 
 # ------------------------------------------------------------------ the rule
-def _allowances(Q, K, V, dO, vis, lse):
+def _allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None):
     """What one rounding step moves, beyond the outputs' own (float64, per unit epsilon).
 
     ``lse``: ``1 + s |q| |k|`` (a score's rounding; rows' largest 2-norms);
     ``D = rowsum(dO * out)``: one step of it per row, ``sum |dO * out|``, and
-    how far that moves ``dq`` (``s D_err P |K|``) and ``dk`` (``s P^T D_err |Q|``).
+    how far that moves ``dq`` (``s D_err P |K|``), ``dk`` (``s P^T D_err |Q|``) and
+    ``dsinks`` (``sum exp(sink - lse) D_err``; a softcap's ``1 - tanh^2 <= 1`` moves less).
     """
     B, H, N, E = Q.shape
     G = H // K.shape[1]
@@ -256,27 +289,32 @@ def _allowances(Q, K, V, dO, vis, lse):
     Q, dO = Q.astype(np.float64), dO.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         S = s * Q @ Kr.swapaxes(-1, -2)
+        if softcap is not None:
+            S = softcap * np.tanh(S / softcap)
         P = np.where(vis, np.exp(S - np.where(np.isfinite(lse), lse, 0)[..., None]), 0.0)
     d_row = np.abs(dO * (P @ Vr)).sum(-1, keepdims=True)
     fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
     top = lambda x: float(np.max(x, initial=0.0))  # noqa: E731
     qn, kn = np.sqrt((Q ** 2).sum(-1)).max(initial=0), np.sqrt((Kr ** 2).sum(-1)).max(initial=0)
-    return {"lse": 1.0 + s * qn * kn, "dq": s * top((P * d_row) @ np.abs(Kr)),
-            "dk": s * top(fold((P * d_row).swapaxes(-1, -2) @ np.abs(Q)))}
+    out = {"lse": 1.0 + s * qn * kn, "dq": s * top((P * d_row) @ np.abs(Kr)),
+           "dk": s * top(fold((P * d_row).swapaxes(-1, -2) @ np.abs(Q)))}
+    if sinks is not None:
+        out["dsinks"] = top((np.exp(sinks[None, :, None] - lse) * d_row[..., 0]).sum((0, 2)))
+    return out
 
 
-def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0):
+def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0, sinks=None):
     """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
     largest magnitude (``lse``, ``D``: :func:`_allowances`); ``hops`` more steps of the
-    accumulation dtype for ``dk`` and ``dv`` (summed on that many more ranks)."""
+    accumulation dtype for ``dk``, ``dv`` and ``dsinks`` (summed on that many more ranks)."""
     dt = _dtype(case.dtype)
     factor = 2.0 if dt == np.float64 else 3.0
     eps = _eps(dt)
     eps_acc = float(np.finfo(np.float64 if dt == np.float64 else np.float32).eps)
-    out, lse, dq, dk, dv = got
-    r_out, r_lse, r_dq, r_dk, r_dv = ref
-    b_out, b_lse, b_dq, b_dk, b_dv = (np.asarray(x, dtype=np.float64) for x in base)
-    extra = _allowances(Q, K, V, dO, vis, r_lse)
+    out, lse, dq, dk, dv = got[:5]
+    r_out, r_lse, r_dq, r_dk, r_dv = ref[:5]
+    b_out, b_lse, b_dq, b_dk, b_dv = (np.asarray(x, dtype=np.float64) for x in base[:5])
+    extra = _allowances(Q, K, V, dO, vis, r_lse, case.softcap, sinks)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
     fin = np.isfinite(r_lse)
     lse_err = float(np.abs(lse[fin] - r_lse[fin]).max(initial=0.0))
@@ -284,15 +322,18 @@ def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0):
     lse_step = eps_acc * extra["lse"]  # lse is float32 at least
     assert lse_err <= factor * lse_base + lse_step, \
         f"lse: error {lse_err:.3g} > {factor:g} x baseline {lse_base:.3g} + rounding {lse_step:.3g}"
-    for name, x, r, b in (("out", out, r_out, b_out), ("dq", dq, r_dq, b_dq), ("dk", dk, r_dk, b_dk),
-                          ("dv", dv, r_dv, b_dv)):
+    named = [("out", out, r_out, b_out), ("dq", dq, r_dq, b_dq), ("dk", dk, r_dk, b_dk),
+             ("dv", dv, r_dv, b_dv)]
+    if sinks is not None:
+        named.append(("dsinks", got[5], ref[5], np.asarray(base[5], dtype=np.float64)))
+    for name, x, r, b in named:
         x = np.asarray(x, dtype=np.float64)
         assert np.isfinite(x).all(), f"{name} has NaN/Inf"
         err = float(np.abs(x - r).max(initial=0.0))
         base_err = float(np.abs(b - r).max(initial=0.0))
         step = eps * float(np.abs(r).max(initial=0.0))
-        d_step = eps_acc * extra.get(name, 0.0) if name in ("dq", "dk") else 0.0
-        if name in ("dk", "dv"):
+        d_step = eps_acc * extra.get(name, 0.0) if name in ("dq", "dk", "dsinks") else 0.0
+        if name in ("dk", "dv", "dsinks"):
             d_step += hops * eps_acc * float(np.abs(r).max(initial=0.0))
         assert err <= factor * base_err + step + d_step, (
             f"{name}: error {err:.3g} > {factor:g} x baseline {base_err:.3g} + rounding {step:.3g}"
@@ -322,15 +363,18 @@ def test_contract(comm, xp, strategy, engine, case):
         pytest.importorskip("ml_dtypes")
         pytest.importorskip("torch", reason="bfloat16's baseline is torch's bfloat16 attention")
     P = comm.size
+    if case.sinks or case.softcap is not None:
+        pytest.importorskip("torch", reason="the reference of the softcap and sinks is torch autograd")
     options = Options(causal=case.causal, window=case.window, strategy=strategy, engine=engine,
-                      block_size=case.block)
+                      block_size=case.block, softcap=case.softcap)
     spec = AttentionSpec.from_shapes((case.B, case.H, case.N, case.E), (case.B, case.Hkv, case.m, case.E),
                                      (case.B, case.Hkv, case.m, case.ev), case.dtype, options,
-                                     device=xp.__name__, padding=case.pad, segments=case.docs)
+                                     device=xp.__name__, padding=case.pad, segments=case.docs,
+                                     sinks=case.sinks)
     why = _skip_reason(comm, strategy, engine, case, spec)  # before the data: most runs skip
     if why is not None:
         pytest.skip(why)
-    Q, K, V, dO, seg, pad, vis, ref, base = _data(case)
+    Q, K, V, dO, seg, pad, vis, ref, base, sinks = _data(case)
     lay, kv_lay = _layouts(case, P, seg)
     options = Options.of(options, layout=lay, kv_layout=kv_lay)
     kl = lay if kv_lay is None else kv_lay
@@ -340,14 +384,17 @@ def test_contract(comm, xp, strategy, engine, case):
     kw = dict(options=options,
               key_padding_mask=None if pad is None else sk(pad, -1),
               segment_ids=None if seg is None else mpiattn.shard(seg, axis=-1, layout=lay))
+    if sinks is not None:
+        kw["sinks"] = sinks
     used = {}
     out, lse = mpiattn.attention(q, k, v, details=used, **kw)
     grads = mpiattn.attention_backward(do, q, k, v, out, lse, **kw)
     assert (used["strategy"], used["engine"]) == (strategy, engine)
     gq = lambda x, axis=-2: host(mpiattn.gather(x, axis=axis, layout=lay, root=None))  # noqa: E731
     gk = lambda x: host(mpiattn.gather(x, layout=kl, root=None))  # noqa: E731
-    got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]))
-    _check(case, got, ref, base, Q, K, V, dO, vis[:, None], hops=P - 1)
+    got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]), *map(host, grads[3:]))
+    assert len(got) == (6 if case.sinks else 5)
+    _check(case, got, ref, base, Q, K, V, dO, vis[:, None], hops=P - 1, sinks=sinks)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -179,3 +179,44 @@ def test_plan_predicts_decode_and_prefill(comm, capsys):
                                                                               + d["merge_s"])
     assert 1 < d["speedup"] <= 8 and d["merge_bytes"] == 8 * 129 * 4
     assert f["variant"] in ("pass-kv", "pass-q") and f["one_rank_s"] > min(f["pass_kv_s"], f["pass_q_s"])
+
+
+def test_auto_counts_the_pairs_a_mask_hides(comm, monkeypatch):
+    """The cost model's pairs of a call with an attn_mask and a mask_mod: each rank counts its
+    rows, gathered in global order; compared with the dense count written out here."""
+    from mpiattn.strategies import problem
+
+    B, H, N, E = 2, 2, 45, 4
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((B, H, N, E)) for _ in range(3))
+    am = rng.random((1, H, N, N)) < 0.6
+
+    def quarters(b, h, i, j):
+        return (i // 12 == j // 12) | (h + b == 0)
+
+    seen = []
+    real = problem.registry.resolve
+    monkeypatch.setattr(problem.registry, "resolve",
+                        lambda *a, pairs=None, **kw: seen.append(pairs) or real(*a, pairs=pairs, **kw))
+    sq = lambda x: mpiattn.shard(x, axis=-2, comm=comm, layout="zigzag")  # noqa: E731
+    mpiattn.attention(sq(q), sq(k), sq(v), comm=comm, causal=True, layout="zigzag",
+                      attn_mask=sq(am), mask_mod=quarters)
+    b, h, i, j = np.ix_(np.arange(B), np.arange(H), np.arange(N), np.arange(N))
+    dense = (j <= i) & am & quarters(b, h, i, j)
+    assert np.allclose(seen[-1], dense.sum(-1).mean((0, 1)))
+    mpiattn.attention(sq(q), sq(k), sq(v), comm=comm, causal=True, layout="zigzag", strategy="ring",
+                      mask_mod=quarters)
+    assert seen[-1] is None  # no choice to make: nothing counted
+
+
+def test_counted_pairs_of_a_long_call_are_an_estimate():
+    from mpiattn.masks import MaskSpec
+    from mpiattn.masks.counts import key_step_for, visible_keys
+    from mpiattn.masks.modifiers import Modifiers
+
+    n, m = 3000, 50_000
+    mods = Modifiers(mask_mod=lambda b, h, i, j: (i * 16 // n) == (j * 16 // m), B=1, H=1)
+    step = key_step_for(n, m, mods, 2**20)
+    assert step > 100
+    est = visible_keys(MaskSpec(), mods, np.arange(n), m, key_step=step)
+    assert np.allclose(est, m / 16, rtol=0.05), (est.min(), est.max())

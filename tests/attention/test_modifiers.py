@@ -45,6 +45,8 @@ MODS = {
     "max-logit": dict(max_logit=True),
     "all": dict(softcap=2.0, alibi=True, attn_mask="float", mask_mod=True, sinks=True, max_logit=True),
     "sinks-softcap-bool": dict(softcap=0.7, attn_mask="bool", sinks=True),
+    "alibi-bool": dict(alibi=True, attn_mask="bool"),
+    "torch-all": dict(alibi=True, attn_mask="float", mask_mod=True, sinks=True),
 }
 
 CASES = [  # (name, dtype, B, H, Hkv, N, M, causal, window, layout)
@@ -52,6 +54,13 @@ CASES = [  # (name, dtype, B, H, Hkv, N, M, causal, window, layout)
     ("f64-zigzag-window", "float64", 2, 4, 4, 29, 29, False, (6, 3), "zigzag"),
     ("f32-bottom-right-mqa", "float32", 2, 4, 1, 13, 31, "bottom-right", None, "contiguous"),
 ]
+
+#: The torch engine's cases (it has no window): GQA, MQA, N != M, both causal alignments, and
+#: zigzag runs with uneven shards at 2 ranks.
+TORCH_CASES = [CASES[0], CASES[2],
+               ("f32-zigzag-gqa", "float32", 2, 4, 2, 23, 23, False, None, "zigzag")]
+#: What SDPA expresses as a float bias (not the softcap, nor max_logit).
+TORCH_MODS = ("alibi", "bool-mask", "float-mask", "mask-mod", "alibi-bool", "torch-all")
 
 
 def _inputs(case, mods):
@@ -77,6 +86,7 @@ def _inputs(case, mods):
     if mods.get("attn_mask") == "float":
         full = rng.standard_normal((1, H, N, M))
         full[0, 1, :, :4] = -np.inf
+        full[0, 2, 5] = -np.inf  # a query of head 2 that sees nothing
         kw["attn_mask"] = full
         bias = full if bias is None else bias + full
     if mods.get("mask_mod"):
@@ -91,10 +101,12 @@ def _inputs(case, mods):
     return (Q, K, V, dO), vis, bias, kw, dict(causal=causal, window=window, layout=layout)
 
 
-#: Every modifier alone and combined on the ring; the combinations on every strategy.
-GRID = ([("ring", case, mods) for case in CASES for mods in MODS]
-        + [(strategy, case, mods) for strategy in STRATEGIES if strategy != "ring" for case in CASES
-           for mods in ("all", "sinks-softcap-bool")])
+#: Every modifier alone and combined on the ring; the combinations on every strategy; the torch
+#: engine's modifiers on the ring (``(strategy, case, mods, engine)``).
+GRID = ([("ring", case, mods, "auto") for case in CASES for mods in MODS]
+        + [(strategy, case, mods, "auto") for strategy in STRATEGIES if strategy != "ring"
+           for case in CASES for mods in ("all", "sinks-softcap-bool")]
+        + [("ring", case, mods, "torch") for case in TORCH_CASES for mods in TORCH_MODS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,9 +117,10 @@ def _expected(case, mods):
     return arrays, kw, opts, ref
 
 
-@pytest.mark.parametrize("strategy, case, mods", GRID,
-                         ids=[f"{s}-{c[0]}-{m}" for s, c, m in GRID])
-def test_every_modifier_on_every_strategy(comm, strategy, case, mods):
+@pytest.mark.parametrize("strategy, case, mods, engine", GRID,
+                         ids=[f"{s}-{c[0]}-{m}" + ("" if e == "auto" else f"-{e}")
+                              for s, c, m, e in GRID])
+def test_every_modifier_on_every_strategy(comm, strategy, case, mods, engine):
     P = comm.size
     if strategy.startswith("hybrid:"):
         u, r = (int(x) for x in strategy.split(":")[1].split("x"))
@@ -128,17 +141,12 @@ def test_every_modifier_on_every_strategy(comm, strategy, case, mods):
     if "softcap" in args or "max_logit" in args:
         opts = dict(opts, **{k: args.pop(k) for k in ("softcap", "max_logit") if k in args})
     q, k, v, do = sq(Q), sq(K), sq(V), sq(dO)
-    refuses = ("attn_mask" in kw and P > 1 and (strategy == "ulysses" or (
-        strategy.startswith("hybrid:") and u > 1)))
-    if refuses:
-        with pytest.raises(ValueError, match="attn_mask"):
-            mpiattn.attention(q, k, v, strategy=strategy, block_size=5, **args, **opts)
-        return
     used = {}
     out, lse = mpiattn.attention(q, k, v, strategy=strategy, block_size=5, details=used, **args,
-                                 **opts)
+                                 engine=engine, **opts)
+    assert used["engine"] == ("native" if engine == "auto" else engine)
     grads = mpiattn.attention_backward(do, q, k, v, out, lse, strategy=strategy, block_size=5,
-                                       **args, **opts)
+                                       engine=engine, **args, **opts)
     assert len(grads) == (4 if "sinks" in kw else 3)
     g = lambda x, axis=-2: host(mpiattn.gather(x, axis=axis, layout=lay, root=None))  # noqa: E731
     got = [g(out), g(lse, -1), g(grads[0]), g(grads[1]), g(grads[2])]
@@ -193,12 +201,69 @@ def test_bad_modifiers_are_refused_on_every_rank(comm):
 
 def test_an_engine_without_a_modifier_is_not_chosen_and_is_refused_by_name(comm):
     x = mpiattn.shard(np.random.default_rng(0).standard_normal((1, 2, 4 * comm.size, 8)))
+    slopes = np.array([0.25, 0.5])
     used = {}
-    mpiattn.attention(x, x, x, softcap=3.0, details=used)
+    mpiattn.attention(x, x, x, softcap=3.0, alibi_slopes=slopes, details=used)
     assert used["engine"] == "native"
     pytest.importorskip("torch")
-    with pytest.raises(ValueError, match="torch engine has no softcap"):
-        mpiattn.attention(x, x, x, softcap=3.0, engine="torch")
+    with pytest.raises(ValueError, match="torch engine has no softcap;"):
+        mpiattn.attention(x, x, x, softcap=3.0, alibi_slopes=slopes, engine="torch")
+    with pytest.raises(ValueError, match="torch engine has no max_logit"):
+        mpiattn.attention(x, x, x, max_logit=True, engine="torch")
+    mpiattn.attention(x, x, x, alibi_slopes=slopes, engine="torch", details=used)
+    assert used["engine"] == "torch"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_torch_engine_modifiers_in_half_precision(comm, dtype):
+    """ALiBi, a float mask and a bool one on float16 and bfloat16: the torch engine's error
+    against float64 is within a few times the native engine's (its bias is float32)."""
+    dt = np.dtype(np.float16) if dtype == "float16" else pytest.importorskip("ml_dtypes").bfloat16
+    (Q, K, V, dO), kw, opts, ref = _expected(CASES[0], "torch-all")
+    sq = lambda x: mpiattn.shard(np.asarray(x, dtype=dt) if x.dtype != bool else x)  # noqa: E731
+    args = dict(kw, attn_mask=mpiattn.shard(kw["attn_mask"]))
+    q, k, v, do = (sq(x) for x in (Q, K, V, dO))
+    err = {}
+    for engine in ("native", "torch"):
+        out, lse = mpiattn.attention(q, k, v, engine=engine, block_size=9, causal=True, **args)
+        grads = mpiattn.attention_backward(do, q, k, v, out, lse, engine=engine, block_size=9,
+                                           causal=True, **args)
+        got = [host(mpiattn.gather(x, axis=ax, root=None)).astype(np.float64)
+               for x, ax in zip((out, lse, *grads[:3]), (-2, -1, -2, -2, -2))]
+        err[engine] = []
+        for a, b in zip(got, ref[:5]):
+            fin = np.isfinite(b)
+            assert np.array_equal(np.isfinite(a), fin)
+            scale = max(1.0, float(np.abs(b[fin]).max()))
+            err[engine].append(np.abs(a[fin] - b[fin]).max(initial=0) / scale)
+    ulp = float(np.finfo(np.float16).eps) if dtype == "float16" else 2.0 ** -7
+    for name, t, n in zip(("out", "lse", "dq", "dk", "dv"), err["torch"], err["native"]):
+        assert t <= 3 * n + ulp, (name, t, n)
+
+
+def test_the_torch_engine_cuts_a_block_into_bias_tiles(comm, monkeypatch):
+    """Tiny bias tiles (several per block, some hidden whole and skipped): the same answer."""
+    from mpiattn.kernels import torch_engine
+
+    monkeypatch.setattr(torch_engine, "BIAS_ENTRIES", 4 * 2 * 3)  # 3 pairs per (batch, head)
+    for n, m, width in ((7, 5, 3), (1, 9, 1), (600, 3, 1), (5, 7, 100), (0, 4, 2), (4, 0, 2)):
+        seen = np.zeros((n, m), int)
+        for i0, i1, j0, j1 in torch_engine._tiles(n, m, width):
+            assert (i1 - i0) * (j1 - j0) <= max(torch_engine.BIAS_ENTRIES // width, 1)
+            seen[i0:i1, j0:j1] += 1
+        assert np.all(seen == 1)
+    case = CASES[2]
+    (Q, K, V, dO), kw, opts, ref = _expected(case, "alibi-bool")
+    sq = lambda x: mpiattn.shard(x)  # noqa: E731
+    q, k, v, do = sq(Q), sq(K), sq(V), sq(dO)
+    args = dict(kw, attn_mask=sq(kw["attn_mask"]), causal=opts["causal"], engine="torch")
+    out, lse = mpiattn.attention(q, k, v, block_size=7, **args)
+    grads = mpiattn.attention_backward(do, q, k, v, out, lse, block_size=7, **args)
+    for x, ax, b in zip((out, lse, *grads), (-2, -1, -2, -2, -2), ref[:5]):
+        a = host(mpiattn.gather(x, axis=ax, root=None))
+        fin = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), fin)
+        assert np.abs(a[fin] - b[fin]).max(initial=0) <= 2e-4 * max(1.0, np.abs(b[fin]).max())
 
 
 def test_a_plan_takes_new_sinks_per_call_and_refuses_sinks_it_was_not_made_for(comm):

@@ -244,3 +244,49 @@ def test_products_take_an_explicit_layout(comm, xp):
     np.testing.assert_allclose(host(got), mpiattn.shard(S.T @ Bm, layout=lay), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="Layout covers"):
         mpiattn.matmul_nt(a, xp.asarray(mpiattn.shard(rng.standard_normal((n + 1, 4)))), layout=lay)
+
+
+def _diagonal_blocks(b, h, i, j):
+    """Blocks of 40 rows, shifted by 7 rows on head 1 and batch entry 1."""
+    return (i + 7 * h + 7 * b) // 40 == (j + 7 * h + 7 * b) // 40
+
+
+def _dense_scored(n, m, causal, am, B, H):
+    """(B, H, n, m) visible pairs of the rules, a bool attn_mask and _diagonal_blocks, written out."""
+    b, h, i, j = np.ix_(np.arange(B), np.arange(H), np.arange(n), np.arange(m))
+    d = m - n if causal == "bottom-right" else 0
+    ok = _diagonal_blocks(b, h, i, j) & (am if am is not None else True)
+    return ok & ((j <= i + d) if causal else True)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom-right"])
+def test_work_counts_the_pairs_a_mask_hides(causal):
+    n, m, B, H, T = 97, 131 if causal == "bottom-right" else 97, 2, 3, 16
+    am = np.random.default_rng(5).random((B, 1, n, m)) < 0.8
+    dense = _dense_scored(n, m, causal, am, B, H)
+    kw = dict(causal=causal, m=m, attn_mask=am, mask_mod=_diagonal_blocks, batch=B, heads=H)
+    assert np.array_equal(balancing.row_work(n, **kw), np.rint(dense.sum(-1).mean((0, 1))))
+    nb, nkb = -(-n // T), -(-m // T)
+    seen = dense.any((0, 1))
+    tiles = [sum(seen[a * T:(a + 1) * T, c * T:(c + 1) * T].any() for c in range(nkb)) for a in range(nb)]
+    assert np.array_equal(balancing.tile_work(n, T, **kw), tiles)
+    float_mask = np.where(am, 0.5, -np.inf)  # a float mask hides where it is -inf
+    assert np.array_equal(balancing.row_work(n, **dict(kw, attn_mask=float_mask)),
+                          balancing.row_work(n, **kw))
+
+
+def test_balance_evens_the_work_a_mask_leaves():
+    n, P = 4096, 4
+
+    def prefix_heavy(b, h, i, j):  # the first quarter of the queries sees every key, the rest 64
+        return (i < 1024) | (np.abs(i - j) < 32)
+
+    lay = balancing.balance(n, P, mask_mod=prefix_heavy)
+    work = balancing.rank_work(lay, n, P, mask_mod=prefix_heavy)
+    plain = balancing.rank_work("contiguous", n, P, mask_mod=prefix_heavy)
+    assert work.max() / work.mean() <= balancing.TARGET + 1e-9 < plain.max() / plain.mean()
+    assert balancing.balance(n, P) != lay  # without the mask: another layout
+    with pytest.raises(ValueError, match="last axis must be m"):
+        balancing.row_work(8, attn_mask=np.ones((1, 1, 8, 9), bool))
+    with pytest.raises(TypeError, match="mask_mod"):
+        balancing.row_work(8, mask_mod=lambda b, h, i, j: i - j)
