@@ -7,7 +7,7 @@ reproduction and a cross-check of the blocked strategies, never chosen by
 (:func:`mpiattn.masks.visible`). The products take one layout for every
 operand: when queries and keys are laid out differently, both are moved to
 the contiguous layout first (one all-to-all each way,
-:func:`mpiattn.sharding.relayout_rows`).
+:func:`mpiattn.sharding.relayout_rows`), an ``attn_mask``'s rows with the queries.
 
 Costs per rank: FLOPs as the ring's; words sent (accumulation dtype):
 ``(P-1) m B Hkv (E+Ev)`` forward (``K`` and ``V`` round two rings),
@@ -18,6 +18,7 @@ accumulation dtype.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -140,18 +141,22 @@ def _moved(c: Comm, pb: Any, rows: dict[str, Any], back: bool = False) -> dict[s
     return out
 
 
+def _contiguous(c: Comm, pb: Any) -> Any:
+    """``pb`` relaid to the contiguous layout, its ``attn_mask`` rows moved with the queries."""
+    out = pb.relaid("contiguous")
+    mods = pb.mods
+    if mods is None or mods.attn_mask is None:
+        return out
+    rows = relayout_rows(c, mods.attn_mask, pb.spec.N, pb.spec.layout, "contiguous")
+    return replace(out, mods=mods.moved(rows, mods.mask_head0))
+
+
 class Materialized(Strategy):
     """The thesis' products (see the module docstring); never chosen by ``auto``."""
 
     name = "materialized"
     auto = False
     uses_engine = False
-
-    def supports(self, spec: Any, topology: Any) -> str | None:
-        if spec.mask.attn_mask is not None and layout_key(spec.layout) != layout_key(spec.kv_layout):
-            return ("strategy 'materialized' moves queries and keys to one layout, and does not move "
-                    "an attn_mask's rows with them; use one layout, 'ring' or 'allgather'")
-        return None
 
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P = topology.P
@@ -188,7 +193,7 @@ class Materialized(Strategy):
             return _forward(c, pb, q, k, v, mask, progress)
         m = _moved(c, pb, {"q": q, "k": k, "v": v, "mask": None if mask is None else mask[:, :, None]})
         mask_c = None if mask is None else m["mask"][..., 0]
-        o, lse = _forward(c, pb.relaid("contiguous"), m["q"], m["k"], m["v"], mask_c, progress)
+        o, lse = _forward(c, _contiguous(c, pb), m["q"], m["k"], m["v"], mask_c, progress)
         back = _moved(c, pb, {"out": o, "lse": lse[..., None]}, back=True)
         return back["out"], back["lse"][..., 0]
 
@@ -200,7 +205,7 @@ class Materialized(Strategy):
         m = _moved(c, pb, {"dout": dout, "q": q, "k": k, "v": v, "lse": lse[..., None],
                            "D": D[..., None], "mask": None if mask is None else mask[:, :, None]})
         mask_c = None if mask is None else m["mask"][..., 0]
-        dq, dk, dv = _backward(c, pb.relaid("contiguous"), m["dout"], m["q"], m["k"], m["v"],
+        dq, dk, dv = _backward(c, _contiguous(c, pb), m["dout"], m["q"], m["k"], m["v"],
                                m["lse"][..., 0], m["D"][..., 0], mask_c, progress)
         back = _moved(c, pb, {"dq": dq, "dk": dk, "dv": dv}, back=True)
         return back["dq"], back["dk"], back["dv"]

@@ -164,6 +164,34 @@ def test_every_modifier_on_every_strategy(comm, strategy, case, mods, engine):
         np.testing.assert_allclose(used["max_logit"], ref[6], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("strategy", ["materialized", "ring", "ulysses"])
+@pytest.mark.parametrize("mods", ["all", "sinks-softcap-bool"])
+def test_an_attn_mask_follows_the_queries_layout(comm, strategy, mods):
+    """Queries zigzag, keys contiguous: the mask's rows are the queries' (a strategy that moves
+    queries, to one layout or to heads, moves them too)."""
+    case = CASES[1]  # (no window here: zigzag queries against contiguous keys, every rule)
+    case = (case[0] + "-mixed", case[1], *case[2:8], None, "zigzag")
+    (Q, K, V, dO), kw, opts, ref = _expected(case, mods)
+    if strategy == "ulysses" and Q.shape[1] % comm.size:
+        pytest.skip("ulysses needs the heads divisible by P")
+    sq = lambda x, axis=-2: mpiattn.shard(x, axis=axis, layout="zigzag")  # noqa: E731
+    sk = lambda x: mpiattn.shard(x, layout="contiguous")  # noqa: E731
+    args = dict(kw, attn_mask=sq(kw["attn_mask"]))
+    opts = dict(opts, kv_layout="contiguous",
+                **{k: args.pop(k) for k in ("softcap", "max_logit") if k in args})
+    q, k, v, do = sq(Q), sk(K), sk(V), sq(dO)
+    out, lse = mpiattn.attention(q, k, v, strategy=strategy, **args, **opts)
+    grads = mpiattn.attention_backward(do, q, k, v, out, lse, strategy=strategy, **args, **opts)
+    gq = lambda x, axis=-2: host(mpiattn.gather(x, axis=axis, layout="zigzag", root=None))  # noqa: E731
+    gk = lambda x: host(mpiattn.gather(x, layout="contiguous", root=None))  # noqa: E731
+    got = [gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2])]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref[:5]):
+        fin = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), fin), name
+        np.testing.assert_allclose(a[fin], b[fin], rtol=1e-9, atol=1e-10, err_msg=name)
+    np.testing.assert_allclose(grads[3], ref[5], rtol=1e-9, atol=1e-10)
+
+
 def test_a_row_with_nothing_visible_gets_the_sink_alone(comm):
     """A query that sees no key: ``out = 0``, ``lse = sinks[h]``, zero gradients."""
     x = np.random.default_rng(3).standard_normal((1, 2, 4 * comm.size, 4))
