@@ -237,3 +237,15 @@ def test_a_rank_in_another_call_gets_one_clear_error(comm):
     out = mt.attention(q, q, q)
     out.sum().backward()
     assert Q.grad is not None
+
+
+def test_the_transformers_adapter_is_imported_on_demand_and_names_its_extra(serial_only, monkeypatch):
+    import subprocess
+    import sys
+
+    code = "import sys, mpiattn.torch, mpiattn.torch.hf; assert 'transformers' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    from mpiattn.torch import hf
+    with pytest.raises(ImportError, match=r'pip install "mpiattn\[hf\]"'):
+        hf.register()

@@ -1,0 +1,290 @@
+"""Hugging Face ``transformers`` models on sequence shards: ``attn_implementation="mpiattn"``.
+
+Optional (``pip install "mpiattn[hf]"``): neither ``import mpiattn`` nor
+``import mpiattn.torch`` imports ``transformers``; this module does.
+:func:`register` adds an attention function (and a mask function) to
+transformers' registries under one name; a model made with that name as its
+``attn_implementation`` runs every attention layer through
+:func:`mpiattn.torch.attention` on this rank's rows of the sequence, exactly.
+
+Each rank passes its rows and their global positions::
+
+    ids_r = mt.shard(input_ids, dim=1)                       # (B, n_r): this rank's tokens
+    pos_r = mt.shard(torch.arange(N)[None], dim=1)           # their global positions
+    logits_r = model(ids_r, position_ids=pos_r).logits       # (B, n_r, vocab): its rows
+
+What a model passes to its attention function is honoured: causal masking
+(``module.is_causal``) by global positions, a layer's ``sliding_window``
+(transformers' ``kv > q - W`` is mpiattn's ``window=(W - 1, 0)``), ``softcap``
+(Gemma 2), ``s_aux`` (gpt-oss's learnable sinks, with their gradient), GQA
+(key/value heads are not repeated) and ``scaling``. A 2-D ``attention_mask``
+``(B, n_r)`` (1 = token, 0 = padding) of this rank's rows becomes the keys'
+padding. No dense mask is built: the mask function returns that padding, or
+None.
+
+Refused, with one error on every rank: ``position_ids`` that are not this
+rank's global positions under the layout (the model would apply RoPE at local
+positions), attention dropout while training, a 4-D ``attention_mask``, and
+keys that are not this rank's rows (a transformers cache: generate with
+:func:`generate` instead).
+
+Generation (:func:`generate`, greedy): the prompt runs sharded and every
+layer keeps its rows' keys and values in a :class:`mpiattn.inference.KVCache`
+(:class:`Generation`, passed down as the model's ``mpiattn_cache=`` keyword);
+each new token then runs on every rank alike, its keys and values appended to
+the sharded caches and its queries attending them (``KVCache.attend``: causal,
+the window, softcap and sinks as in the prompt).
+
+Training: divide the loss on each rank's rows by the global token count, call
+``backward()`` on every rank, then :func:`mpiattn.torch.reduce_gradients` gives
+every parameter (the sinks and tied embeddings included) the single-process
+gradient. transformers' own ``labels=`` loss shifts the labels inside each
+shard and averages locally: shift the labels globally before sharding and pass
+``shift_labels=`` with ``num_items_in_batch=`` (the global count), or compute
+the loss by hand. Rotary embeddings that choose their frequencies from the
+largest position seen (dynamic NTK, LongRoPE) see only this rank's positions.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..layouts import all_segments, local_lengths, positions
+from .functions import attention
+
+__all__ = ["register", "NAME", "KeyPadding", "Generation", "generate"]
+
+#: The default name of the attention implementation.
+NAME = "mpiattn"
+
+
+class KeyPadding:
+    """What the mask function hands the attention layers: this rank's keys' padding.
+
+    Attributes
+    ----------
+    pad : torch.Tensor, bool, shape (B, n_r)
+        True marks padding (transformers' ``attention_mask == 0``).
+    """
+
+    def __init__(self, pad: torch.Tensor) -> None:
+        self.pad = pad
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("mpiattn.torch.hf needs Hugging Face transformers: "
+                          'pip install "mpiattn[hf]"') from exc
+    return transformers
+
+
+def register(comm: Any = None, *, name: str = NAME, layout: Any = "contiguous",
+             **options: Any) -> str:
+    """Make ``attn_implementation=name`` run attention through mpiattn on ``comm``'s shards.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        The ranks that share each sequence (default ``MPI.COMM_WORLD``).
+    name : str
+        The implementation's name in transformers' registries (default ``"mpiattn"``).
+    layout : str or mpiattn.Layout
+        How the sequence is sharded (the layout given to :func:`mpiattn.torch.shard`).
+    **options
+        More :class:`mpiattn.Options` fields for every call (``strategy``, ``engine``,
+        ``block_size``, ...); not ``causal``, ``window``, ``scale`` or ``softcap``, which each
+        layer passes.
+
+    Returns
+    -------
+    str
+        ``name``, for ``from_config(..., attn_implementation=name)``.
+
+    Notes
+    -----
+    transformers keeps its registries process-wide: registering again under a name
+    replaces that name's functions.
+    """
+    from ..strategies import Options
+
+    taken = {"causal", "window", "scale", "softcap", "layout"} & set(options)
+    if taken:
+        raise TypeError(f"register() takes no {', '.join(sorted(taken))}: each layer passes them "
+                        "(the layout is register's own keyword)")
+    Options.of(**options)  # an unknown field raises here
+    tf = _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    tf.AttentionInterface.register(name, partial(_attention, comm=comm, layout=layout,
+                                                 options=dict(options)))
+    AttentionMaskInterface.register(name, _mask)
+    return name
+
+
+def _mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
+          attention_mask: Any = None, **kwargs: Any) -> KeyPadding | None:
+    """transformers' mask function: the padding of this rank's keys, or None (no dense mask).
+    Kept when it pads nothing: whether a call has padding is agreed by every rank."""
+    if attention_mask is None:
+        return None
+    return KeyPadding(~attention_mask.to(torch.bool))
+
+
+def _agreed(comm: Any) -> Any:
+    from ..comm import get_comm
+
+    return get_comm(comm)
+
+
+def _check_rows(c: Any, query: torch.Tensor, key: torch.Tensor, position_ids: Any,
+                layout: Any, dropout: float, mask: Any) -> None:
+    """The checks of a forward (its first layer), decided on every rank alike."""
+    n = int(query.shape[2])
+    sizes = c.allgather_obj(n)
+
+    def check() -> None:
+        if dropout:
+            raise ValueError(f"mpiattn.torch.hf: attention dropout {dropout} is not supported "
+                             "(set the config's attention_dropout to 0, or call model.eval())")
+        if mask is not None and not isinstance(mask, KeyPadding):
+            raise ValueError("mpiattn.torch.hf takes a 2-D attention_mask (B, n_r) of this rank's "
+                             f"tokens, not a {tuple(getattr(mask, 'shape', ()))} one")
+        if int(key.shape[2]) != n:
+            raise ValueError(f"mpiattn.torch.hf: {key.shape[2]} keys beside {n} queries on this "
+                             "rank: a transformers cache (generation) is not sharded; pass "
+                             "use_cache=False, and decode with mpiattn.inference.KVCache")
+        N = sum(sizes)
+        if list(sizes) != list(local_lengths(N, c.size, layout)):
+            raise ValueError(f"mpiattn.torch.hf: the ranks hold {sizes} rows, not the {layout!r} "
+                             f"layout's shares of {N}: shard with mpiattn.torch.shard(..., layout=)")
+        want = torch.as_tensor(positions(all_segments(N, c.size, layout)[c.rank]))
+        got = None if position_ids is None else position_ids.detach().to("cpu").reshape(-1, n)
+        if got is None or not bool((got == want).all()):
+            raise ValueError("mpiattn.torch.hf: position_ids must be this rank's global positions "
+                             "(position_ids=mpiattn.torch.shard(torch.arange(N)[None], dim=1)); "
+                             "without them the model applies its positions locally")
+
+    c.allgather_checked(check, call="mpiattn.torch.hf")
+
+
+class Generation:
+    """The sharded key/value caches of a model's layers while it generates (see :func:`generate`).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+    layout : str or mpiattn.Layout
+        The prompt's layout (as registered).
+
+    Attributes
+    ----------
+    caches : dict of int to mpiattn.inference.KVCache
+        Per layer index, filled by the prompt's forward.
+    decoding : bool
+        False while the prompt runs (sharded); True for the new tokens (the same on every rank).
+    """
+
+    def __init__(self, comm: Any = None, layout: Any = "contiguous") -> None:
+        self.comm, self.layout = comm, layout
+        self.caches: dict = {}
+        self.decoding = False
+
+    def keep(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The prompt's rows of one layer (collective)."""
+        from ..inference import KVCache
+        from .tensors import to_array
+
+        self.caches[layer] = KVCache.from_shards(to_array(key.detach().contiguous().clone()),
+                                                 to_array(value.detach().contiguous().clone()),
+                                                 self.comm, layout=self.layout)
+
+    def step(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             **scores: Any) -> torch.Tensor:
+        """One new token of one layer (collective): append its keys and values, attend the cache;
+        ``(B, H, t, E)`` on every rank alike."""
+        from .tensors import to_array, to_tensor
+
+        cache = self.caches[layer]
+        cache.append(to_array(key.detach().contiguous()), to_array(value.detach().contiguous()))
+        sinks = scores.pop("sinks")
+        if sinks is not None:
+            sinks = to_array(sinks.detach().to(torch.float64).contiguous())
+        out, _ = cache.attend(to_array(query.detach().contiguous()), sinks=sinks, **scores)
+        return to_tensor(out)
+
+
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, *, comm: Any, layout: Any, options: dict,
+               dropout: float = 0.0, scaling: float | None = None,
+               sliding_window: int | None = None, softcap: float | None = None,
+               s_aux: Any = None, position_ids: Any = None, mpiattn_cache: Generation | None = None,
+               **kwargs: Any) -> tuple:
+    """transformers' attention function: ``(out (B, n_r, H, E), None)`` for this rank's rows."""
+    window = None if sliding_window is None else (int(sliding_window) - 1, 0)
+    causal = bool(getattr(module, "is_causal", True))
+    layer = getattr(module, "layer_idx", None)
+    if mpiattn_cache is not None and mpiattn_cache.decoding:
+        out = mpiattn_cache.step(layer, query, key, value, causal=causal, window=window,
+                                 scale=scaling, softcap=softcap, sinks=s_aux)
+        return out.transpose(1, 2).contiguous(), None
+    if layer in (0, None):
+        _check_rows(_agreed(comm), query, key, position_ids, layout, dropout, attention_mask)
+    pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
+    out = attention(query.contiguous(), key.contiguous(), value.contiguous(), comm=comm,
+                    causal=causal, window=window, scale=scaling, softcap=softcap, sinks=s_aux,
+                    key_padding_mask=pad, layout=layout, **options)
+    if mpiattn_cache is not None:
+        mpiattn_cache.keep(layer, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@torch.no_grad()
+def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, comm: Any = None,
+             layout: Any = "contiguous") -> torch.Tensor:
+    """Greedy decoding of a model registered with :func:`register`, its prompt sharded (collective).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM made with ``attn_implementation=register(comm, layout=layout)``.
+    input_ids : torch.Tensor, shape (B, N)
+        The whole prompt, the same on every rank (each runs its rows of it).
+    max_new_tokens : int
+    comm, layout
+        As registered.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, max_new_tokens), int64
+        The new tokens, the same on every rank (what single-process greedy decoding gives).
+    """
+    from .collectives import shard
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    c = _agreed(comm)
+    B, N = input_ids.shape
+    gen = Generation(comm, layout)
+    pos = shard(torch.arange(N, device=input_ids.device)[None].expand(B, N), comm=comm, dim=1,
+                layout=layout)
+    logits = model(shard(input_ids, comm=comm, dim=1, layout=layout), position_ids=pos,
+                   use_cache=False, mpiattn_cache=gen).logits
+    owner = next(r for r, seg in enumerate(all_segments(N, c.size, layout))
+                 if (N - 1) in positions(seg))
+    here = positions(all_segments(N, c.size, layout)[c.rank])
+    last = logits[:, int((here == N - 1).argmax())] if c.rank == owner else None
+    token = c.bcast_obj(None if last is None else last.argmax(-1).cpu(), root=owner)
+    gen.decoding = True
+    new = [token]
+    for t in range(1, max_new_tokens):
+        step = torch.full((B, 1), N + t - 1, dtype=torch.long, device=input_ids.device)
+        logits = model(token[:, None].to(input_ids.device), position_ids=step, use_cache=False,
+                       mpiattn_cache=gen).logits
+        token = logits[:, -1].argmax(-1).cpu()
+        new.append(token)
+    return torch.stack(new, dim=1)

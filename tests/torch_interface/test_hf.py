@@ -1,0 +1,188 @@
+"""transformers models on sequence shards (``mpiattn.torch.hf``) against the single-process model.
+
+Tiny configurations (built, not downloaded) of Llama, Qwen 3 (alternating sliding windows),
+Mistral (a sliding window), Gemma 2 (softcap, alternating windows) and gpt-oss (learnable
+sinks, windows, experts). The reference is the same model in one process whose attention is
+written here in plain torch (causal, the window ``kv > q - W``, softcap, sinks as one more
+softmax column: what the models' eager functions do, in the inputs' dtype throughout); the
+sharded model runs every layer through mpiattn on this rank's rows. Logits and every
+parameter's gradient (after ``reduce_gradients``) must equal the reference's.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+mt = pytest.importorskip("mpiattn.torch")
+
+from mpiattn.torch import hf  # noqa: E402
+
+REFERENCE = "mpiattn-tests-reference"
+
+
+def _reference(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
+               sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """Dense attention of the whole sequence, written out (the models' eager functions' math)."""
+    assert attention_mask is None  # (no mask function is registered under this name)
+    G = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+    s = query @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(s.shape[-2])[:, None]
+    j = torch.arange(s.shape[-1])[None, :]
+    seen = j <= i if module.is_causal else torch.ones_like(j >= i)
+    if sliding_window is not None:
+        seen = seen & (j > i - sliding_window)
+    s = s.masked_fill(~seen, float("-inf"))
+    if s_aux is not None:
+        col = s_aux.view(1, -1, 1, 1).expand(*s.shape[:3], 1).to(s.dtype)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return (p @ v).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register(REFERENCE, _reference)
+
+SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+             attention_dropout=0.0)
+TWO_KINDS = ["sliding_attention", "full_attention"]
+MODELS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=4, layer_types=TWO_KINDS)),
+    "mistral": ("MistralConfig", dict(sliding_window=5)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, attn_logit_softcapping=0.6,
+                                    final_logit_softcapping=8.0, query_pre_attn_scalar=8,
+                                    layer_types=TWO_KINDS)),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=TWO_KINDS, experts_implementation="eager",
+                                     rope_parameters={"rope_type": "yarn", "factor": 2.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                                      "rope_theta": 150000.0, "truncate": False,
+                                                      "original_max_position_embeddings": 32})),
+}
+
+
+def _models(family, dtype):
+    name, extra = MODELS[family]
+    config = getattr(transformers, name)(**SMALL, **extra)
+    torch.manual_seed(7)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                        attn_implementation=REFERENCE)
+    ref = ref.to(dtype).train()
+    with torch.no_grad():  # every parameter away from its initial constant (the sinks' zeros)
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sharded = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),  # (its own)
+                                                            attn_implementation=hf.NAME)
+    sharded = sharded.to(dtype).train()
+    sharded.load_state_dict(ref.state_dict())
+    return ref, sharded
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_a_sharded_model_equals_the_single_process_model(comm, family, layout):
+    hf.register(layout=layout)
+    dtype = torch.float64
+    ref, sharded = _models(family, dtype)
+    B, N = 2, 13
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SMALL["vocab_size"], (B, N), generator=gen)
+    w = torch.randn(B, N, SMALL["vocab_size"], generator=gen, dtype=dtype)
+    want = ref(ids, use_cache=False).logits
+    (want * w).sum().backward()
+    shard = lambda x: mt.shard(x, dim=1, layout=layout)  # noqa: E731
+    pos = shard(torch.arange(N)[None].expand(B, N))
+    got = sharded(shard(ids), position_ids=pos, use_cache=False).logits
+    (got * shard(w)).sum().backward()
+    mt.reduce_gradients(sharded)
+    full = mt.gather(got.detach(), dim=1, layout=layout)
+    torch.testing.assert_close(full, want.detach(), rtol=1e-10, atol=1e-11)
+    grads = dict(sharded.named_parameters())
+    for name, p in ref.named_parameters():
+        assert grads[name].grad is not None, name
+        # Gemma 2's RMSNorm scales by (1 + w) in float32 even in a float64 model: its weights'
+        # gradients are float32 sums, of all rows at once here, of each rank's rows there
+        f32 = family == "gemma2" and "norm" in name
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5 if f32 else 1e-9,
+                                   atol=1e-6 if f32 else 1e-11,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_what_it_cannot_honour_is_refused_on_every_rank(comm):
+    hf.register()
+    _, sharded = _models("llama", torch.float64)
+    N = 3 * comm.size + 1
+    ids = mt.shard(torch.arange(N)[None] % 50, dim=1)
+    pos = mt.shard(torch.arange(N)[None], dim=1)
+    if comm.size > 1:  # (one rank's local positions are the global ones)
+        with pytest.raises(ValueError, match="global positions"):
+            sharded(ids, use_cache=False)  # the model's own: every rank's 0, 1, ...
+    with pytest.raises(ValueError, match="global positions"):
+        sharded(ids, position_ids=pos + 1, use_cache=False)
+    with pytest.raises(ValueError, match="cache"):
+        sharded(ids, position_ids=pos, use_cache=True, past_key_values=_cache_with(sharded, ids))
+    sharded.config.attention_dropout = 0.1
+    for layer in sharded.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="dropout"):
+        sharded(ids, position_ids=pos, use_cache=False)
+    with pytest.raises(TypeError, match="each layer passes"):
+        hf.register(causal=True)
+
+
+def _cache_with(model, ids):
+    """A transformers cache already holding a few tokens (generation's second step)."""
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.config._attn_implementation_internal = REFERENCE
+        try:
+            model(ids[:, :1], use_cache=True, past_key_values=cache)
+        finally:
+            model.config._attn_implementation_internal = hf.NAME
+    return cache
+
+
+def test_a_left_padded_batch_entry_attends_its_tokens_only(comm):
+    """A 2-D attention_mask becomes the keys' padding: a left-padded entry's tokens give the
+    logits of the same tokens alone at the same positions."""
+    hf.register()
+    ref, sharded = _models("mistral", torch.float64)
+    B, N, pad = 2, 11, 4
+    ids = torch.randint(0, SMALL["vocab_size"], (B, N), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(B, N, dtype=torch.long)
+    mask[1, :pad] = 0
+    shard = lambda x: mt.shard(x, dim=1)  # noqa: E731
+    pos = torch.arange(N)[None].expand(B, N)
+    got = mt.gather(sharded(shard(ids), attention_mask=shard(mask), position_ids=shard(pos),
+                            use_cache=False).logits.detach(), dim=1)
+    with torch.no_grad():
+        alone = ref(ids[1:, pad:], position_ids=pos[1:, pad:], use_cache=False).logits
+        whole = ref(ids[:1], use_cache=False).logits
+    torch.testing.assert_close(got[1:, pad:], alone, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(got[:1], whole, rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_greedy_generation_equals_the_single_process_model(comm, family):
+    """The prompt sharded, each new token against the sharded caches (windows, softcap, sinks):
+    the tokens of a single-process greedy loop."""
+    layout = "zigzag"
+    hf.register(layout=layout)
+    ref, sharded = _models(family, torch.float64)
+    ref.eval(), sharded.eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    got = hf.generate(sharded, ids, 6, layout=layout)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = ref(seq, use_cache=False).logits[:, -1].argmax(-1)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+    assert torch.equal(got, seq[:, ids.shape[1]:])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hf.generate(sharded, ids, 0)
