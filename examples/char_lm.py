@@ -66,6 +66,14 @@ def corpus() -> tuple[np.ndarray, dict]:
     return np.frombuffer(data, dtype=np.uint8), info
 
 
+def write_history(path: str | None, summary: dict) -> None:
+    """Write a run's JSON history to ``path`` (its folder made), if given."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(summary, fh, indent=1)
+
+
 # ------------------------------------------------------------------ the model
 def positions(pos: torch.Tensor, d: int) -> torch.Tensor:
     """Sinusoidal embeddings ``(n, d)`` of global positions ``pos`` (so every shard agrees)."""
@@ -188,10 +196,7 @@ def main() -> None:
                    "loadavg_1min_at_end": os.getloadavg()[0], "history": history}
         print(f"done: {args.attention} P={P}: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
               f" ({history[-1]['bpc']:.3f} bpc), median {summary['median_seconds_per_step']:.2f} s/step")
-        if args.history:
-            os.makedirs(os.path.dirname(os.path.abspath(args.history)), exist_ok=True)
-            with open(args.history, "w") as fh:
-                json.dump(summary, fh, indent=1)
+        write_history(args.history, summary)
 
 
 if __name__ == "__main__":

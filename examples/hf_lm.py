@@ -32,9 +32,7 @@ A pretrained model runs the same way on a machine that can fetch it:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import resource
 import time
 
@@ -44,7 +42,7 @@ import torch.nn.functional as F
 import transformers
 from mpi4py import MPI
 
-from char_lm import corpus
+from char_lm import corpus, write_history
 
 import mpiattn
 import mpiattn.torch as mt
@@ -133,10 +131,7 @@ def main() -> None:
         print(f"done: {args.attention} {args.family} P={P}: loss {history[0]['loss']:.4f} -> "
               f"{history[-1]['loss']:.4f} ({history[-1]['loss'] / math.log(2):.3f} bits/byte), "
               f"median {summary['median_seconds_per_step']:.2f} s/step; generated {text!r}")
-        if args.history:
-            os.makedirs(os.path.dirname(os.path.abspath(args.history)), exist_ok=True)
-            with open(args.history, "w") as fh:
-                json.dump(summary, fh, indent=1)
+        write_history(args.history, summary)
 
 
 if __name__ == "__main__":

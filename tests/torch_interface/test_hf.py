@@ -11,6 +11,8 @@ parameter's gradient (after ``reduce_gradients``) must equal the reference's.
 
 import copy
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -186,3 +188,29 @@ def test_greedy_generation_equals_the_single_process_model(comm, family):
     assert torch.equal(got, seq[:, ids.shape[1]:])
     with pytest.raises(ValueError, match="max_new_tokens"):
         hf.generate(sharded, ids, 0)
+
+
+def test_the_example_trains_the_same_curve_on_two_ranks(serial_only, tmp_path):
+    """examples/hf_lm.py, tiny: the eager model and mpiattn at 2 ranks follow one loss curve and
+    decode the same bytes."""
+    import json
+    import os
+    import sys
+
+    from helpers import mpiexec, run_group
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_lm.py")
+    args = [script, "--context", "96", "--steps", "3", "--generate", "5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
+    runs = {"eager": [sys.executable, *args, "--attention", "eager"],
+            "P2": [mpiexec(), "-n", "2", sys.executable, *args]}
+    got = {}
+    for name, cmd in runs.items():
+        rc, out, err = run_group(cmd + ["--history", str(tmp_path / f"{name}.json")], 180,
+                                 cwd=tmp_path, env=env)
+        assert rc == 0, err
+        got[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    losses = [[h["loss"] for h in got[n]["history"]] for n in runs]
+    assert np.allclose(*losses, rtol=1e-5, atol=1e-6) and losses[0][0] > losses[0][-1]
+    assert got["eager"]["generated"] == got["P2"]["generated"]
