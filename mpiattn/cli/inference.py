@@ -23,8 +23,12 @@ Score modifiers: a cache is decoded with the ones it was made with
 (:func:`_modifiers`): ``decode`` uses the cache's ``sinks``,
 ``alibi_slopes`` and ``softcap``; ``Q.h5`` and ``--softcap`` may repeat
 them, and give them where the cache records none, but a value that differs
-from the cache's is refused. ``attn_mask`` is refused by both commands
-(:data:`_NO_MASK`).
+from the cache's is refused. An ``attn_mask`` belongs to the queries that
+come with it: ``prefill`` reads the prompt's rows as slabs (like ``run``;
+``(B or 1, H or 1, N, N)``) and does not keep it in the cache; ``decode``
+reads ``Q.h5``'s whole, ``(B or 1, H or 1, t, L)`` over the cache's ``L``
+absolute positions (the new tokens' included with ``--append``). A cache
+file that holds one is refused (:data:`_NO_MASK`).
 
 The guarantees of ``run`` hold: errors are decided on every rank alike
 (exit 1), and every output path is checked before anything is computed
@@ -65,9 +69,9 @@ __all__ = ["add_arguments", "cmd_prefill", "cmd_decode"]
 #: Attributes of a cache file that :meth:`mpiattn.KVCache.save` writes itself.
 _OWN = {"format", "format_version", "axes", "length", "page", "placement", "ranks", "rows_per_rank"}
 
-#: Why neither command takes an ``attn_mask``, and what to use instead.
-_NO_MASK = ("a mask of query rows has no file form over a cache that grows; use --window, the "
-            "sinks and alibi_slopes datasets or --softcap, or 'mpiattn run' for one masked attention")
+#: Why a cache file holds no ``attn_mask``, and where one goes instead.
+_NO_MASK = ("a mask belongs to the queries it comes with, not to a cache that grows: put the "
+            "prompt's in prefill's input, a step's in decode's --queries file")
 
 
 def add_arguments(sub: Any, positive_int: Callable, window: Callable,
@@ -161,8 +165,6 @@ def cmd_prefill(args: Any, con: Console) -> int:
         if kept:
             raise ValueError(f"prefill: a cache keeps no padding or document ids; {args.input} has "
                              f"{', '.join(kept)}")
-        if "attn_mask" in shapes:
-            raise ValueError(f"prefill takes no attn_mask ({args.input} holds one): {_NO_MASK}")
     window = meta["window"] if args.window is None else args.window
     with timer.phase("read"):
         inp = io.read_input(args.input, c, layout=args.layout, dtype=args.dtype, meta=meta,
@@ -177,7 +179,7 @@ def cmd_prefill(args: Any, con: Console) -> int:
     mods = {name: getattr(inp, name) for name in WHOLE_DATASETS if getattr(inp, name) is not None}
     used: dict = {}
     with timer.phase("forward"):
-        out, lse = attention(q, k, v, c, options=options, details=used,
+        out, lse = attention(q, k, v, c, options=options, details=used, attn_mask=inp.attn_mask,
                              progress=con.progress("forward"), **mods)
     cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
     extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
@@ -230,9 +232,8 @@ def cmd_decode(args: Any, con: Console) -> int:
             if tuple(cache.identity) != tuple(meta["identity"]):
                 raise ValueError(f"the cache {args.cache} changed while it was being read; nothing "
                                  "was computed")
-        new = kvstore.read_replicated(c, args.queries, ("q",), ("k", "v") if args.append else (),
-                                      whole=True,
-                                      refused={"attn_mask": f"which decode does not take: {_NO_MASK}"})
+        new = kvstore.read_replicated(c, args.queries, ("q",),
+                                      (*(("k", "v") if args.append else ()), "attn_mask"), whole=True)
         softcap, mods = _modifiers(args, meta, {n: new.pop(n) for n in WHOLE_DATASETS if n in new},
                                    new["q"].shape)
         with errors.alike():
@@ -251,8 +252,13 @@ def cmd_decode(args: Any, con: Console) -> int:
     with timer.phase("forward"):
         if args.append:
             cache.append(move(new["k"]), move(new["v"]), check_finite=finite)
+        mask = new.get("attn_mask")  # (host: the modifiers' arrays live there)
+        if mask is not None:  # (t, L) or (H, t, L) stand for (1, 1, t, L), (1, H, t, L), as in run
+            mask = mask.reshape((1,) * max(4 - mask.ndim, 0) + mask.shape)
+            mask = mask if mask.dtype == np.bool_ else mask.astype(np.float64, copy=False)
         out, lse = cache.attend(move(new["q"]), window=window, scale=scale, softcap=softcap,
-                                engine=args.engine, check_finite=finite, details=used, **mods)
+                                attn_mask=mask, engine=args.engine, check_finite=finite,
+                                details=used, **mods)
     t = int(out.shape[2])
     mine = Layout([[(0, t)]] + [[] for _ in range(c.size - 1)])  # rank 0 writes the replicated result
     keep = slice(None) if c.rank == 0 else slice(0, 0)
@@ -261,7 +267,8 @@ def cmd_decode(args: Any, con: Console) -> int:
     with timer.phase("write"):
         attrs = {"cache_path": os.path.abspath(args.cache), "cache_length": cache.length,
                  "append": args.append, "engine": used.get("engine", ""), "softcap": softcap,
-                 "score_modifiers": ",".join(mods) or None, **_stamp(timer)}
+                 "score_modifiers": ",".join([*mods, *(["attn_mask"] if mask is not None else [])])
+                 or None, **_stamp(timer)}
         files = [io.rows_target(args.output, rows, c, attrs=attrs,
                                 rule=io.REPLACE if args.force else io.NEW)]
         if grown is not None:  # one commit point for both files
@@ -291,7 +298,7 @@ def _modifiers(args: Any, meta: dict, given: dict, q_shape: tuple) -> tuple[floa
     cache = f"the cache {args.cache}"
     with errors.alike():
         if "attn_mask" in meta["extra"]:
-            raise ValueError(f"{cache} holds 'attn_mask', which decode does not take: {_NO_MASK}")
+            raise ValueError(f"{cache} holds 'attn_mask', which a cache does not keep: {_NO_MASK}")
         softcap = meta["softcap"]
         if args.softcap is not None and softcap is not None and args.softcap != softcap:
             raise ValueError(f"--softcap {args.softcap:g} differs from the softcap {softcap:g} "

@@ -33,7 +33,7 @@ from ..io.publishing import Outputs
 from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
-from ..masks.modifiers import check_slopes
+from ..masks.modifiers import check_attn_mask, check_slopes
 from ..masks.sinks import check_sinks
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE, Options
@@ -302,7 +302,7 @@ class KVCache:
     # ------------------------------------------------------------- attending
     def attend(self, q: Any, *, causal: bool = True, window: Any = None, scale: float | None = None,
                softcap: float | None = None, alibi_slopes: Any = None, sinks: Any = None,
-               engine: str = "auto", check_finite: bool = True,
+               attn_mask: Any = None, engine: str = "auto", check_finite: bool = True,
                details: dict | None = None) -> tuple[Any, Any]:
         """Decode: ``t`` new queries, the same on every rank, against the whole cache (collective).
 
@@ -325,6 +325,9 @@ class KVCache:
         softcap, alibi_slopes, sinks : optional
             Score modifiers, as in :func:`mpiattn.attention` (ALiBi measures ``|p - j|``
             between absolute positions; the sinks join the merged rows), the same on every rank.
+        attn_mask : array, shape (B or 1, H or 1, t, length), optional
+            Bool (True = the pair takes part) or float (added), its key axis absolute positions;
+            the same on every rank.
         engine : str
             ``"auto"`` (native) or a registered engine.
         check_finite : bool
@@ -343,13 +346,13 @@ class KVCache:
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
                         softcap=softcap, engine=engine, check_finite=check_finite)
         return decode(self.comm, self.shard, self.length, q, settings, details,
-                      {"alibi_slopes": alibi_slopes, "sinks": sinks})
+                      {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask})
 
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
                 window: Any = None, scale: float | None = None, softcap: float | None = None,
-                alibi_slopes: Any = None, sinks: Any = None, engine: str = "auto",
-                check_finite: bool = True, append: bool = True, machine: str | None = None,
-                details: dict | None = None) -> tuple[Any, Any]:
+                alibi_slopes: Any = None, sinks: Any = None, attn_mask: Any = None,
+                engine: str = "auto", check_finite: bool = True, append: bool = True,
+                machine: str | None = None, details: dict | None = None) -> tuple[Any, Any]:
         """Chunked prefill: a sharded chunk attends the cache and itself, bottom-right causal (collective).
 
         Parameters
@@ -366,6 +369,9 @@ class KVCache:
             ``machine`` (a profile or calibration file; default the device's).
         window, scale, softcap, alibi_slopes, sinks, engine, check_finite
             As in :meth:`attend`.
+        attn_mask : array, shape (B or 1, H or 1, c_r, length + C), optional
+            This rank's chunk rows of a mask over the cache and the chunk (absolute key
+            positions), as in :func:`mpiattn.attention`.
         append : bool
             Keep the chunk's rows in the cache afterwards (each rank its own).
         details : dict, optional
@@ -409,12 +415,17 @@ class KVCache:
                 kept["alibi"] = check_slopes(alibi_slopes, s.B, H)
             if sinks is not None:
                 kept["sinks"] = check_sinks(sinks, H)
+            mask = None if attn_mask is None else check_attn_mask(attn_mask, s.B, H, q.shape[2])
+            kept["attn_mask"] = mask
+            kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
             spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
-                             alibi="alibi" in kept, sinks="sinks" in kept)
+                             alibi="alibi" in kept, sinks="sinks" in kept, attn_mask=kind)
             return {"q's heads": H, **o.by_field(), "variant": variant,
                     "machine": name, "_n": int(q.shape[2]), "_spec": spec,
                     "alibi_slopes (CRC-32)": checksum(kept["alibi"]) if "alibi" in kept else None,
                     "sinks (CRC-32)": checksum(kept["sinks"]) if "sinks" in kept else None,
+                    "attn_mask (kind, batch, heads)": None if mask is None else (kind, *mask.shape[:2]),
+                    "_keys": None if mask is None else mask.shape[3],
                     "_engine": engines.local_choice(engine, spec)}
 
         got = c.agree(local)
@@ -422,6 +433,9 @@ class KVCache:
             counts = [g["_n"] for g in got]
             C = sum(counts)
             check_shares(counts, layout, "the chunk's rows (q, k, v)")
+            if any(g["_keys"] not in (None, self.length + C) for g in got):
+                raise ValueError(f"attn_mask must span the cache and the chunk: its last axis must "
+                                 f"be {self.length + C}")
             for r, g in enumerate(got):
                 if not g["_engine"][0]:
                     raise ValueError(f"engine {engine!r} cannot run on rank {r}: {g['_engine'][1]}")
@@ -434,13 +448,13 @@ class KVCache:
         chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
         if chosen == "pass-kv":
             out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options,
-                               kept.get("alibi"), kept.get("sinks"))
+                               kept.get("alibi"), kept.get("sinks"), kept["attn_mask"])
         else:
             prepare(c, q, k, v)
             with c.abort_on_error():
                 out, lse = pass_q(c, s, self.length, q, k, v, chunk_pos, counts,
                                   engines.get(got[0]["_engine"][0]), got[0]["_spec"], check_finite,
-                                  kept.get("alibi"), kept.get("sinks"))
+                                  kept.get("alibi"), kept.get("sinks"), kept["attn_mask"])
         if details is not None:
             details.update({"variant": chosen, "reason": reason})
         if append:

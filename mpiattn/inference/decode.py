@@ -32,7 +32,7 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import engines
-from ..masks.modifiers import Modifiers, check_slopes
+from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes
 from ..masks.sinks import add_sinks, check_sinks
 from ..strategies import model
 from ..strategies.machines import Machine
@@ -98,13 +98,20 @@ def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> d
         raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
     slopes = None if scores.get("alibi_slopes") is None else check_slopes(scores["alibi_slopes"], B, H)
     sinks = None if scores.get("sinks") is None else check_sinks(scores["sinks"], H)
-    spec = step_spec(shard, length, q, options, alibi=slopes is not None, sinks=sinks is not None)
+    mask = None if scores.get("attn_mask") is None else check_attn_mask(scores["attn_mask"], B, H, t)
+    if mask is not None and mask.shape[3] != length:
+        raise ValueError(f"attn_mask must span the whole cache: its last axis must be {length} "
+                         f"(the cache's length, the new tokens' keys appended), got {mask.shape[3]}")
+    kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+    spec = step_spec(shard, length, q, options, alibi=slopes is not None, sinks=sinks is not None,
+                     attn_mask=kind)
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
             "q's values (CRC-32)": checksum(q), **options.by_field(),
             "alibi_slopes (CRC-32)": None if slopes is None else checksum(slopes),
             "sinks (CRC-32)": None if sinks is None else checksum(sinks),
+            "attn_mask (CRC-32)": None if mask is None else checksum(mask),
             "_spec": spec, "_engine": engines.local_choice(options.engine, spec),
-            "_alibi": slopes, "_sinks": sinks}
+            "_alibi": slopes, "_sinks": sinks, "_mask": mask}
 
 
 def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
@@ -126,8 +133,9 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     used : dict, optional
         Filled with :meth:`Step.as_dict`.
     scores : dict, optional
-        ``alibi_slopes`` ``(H,)`` or ``(B, H)`` and ``sinks`` ``(H,)`` (None: not used), the same
-        on every rank; ``settings`` may hold ``softcap``.
+        ``alibi_slopes`` ``(H,)`` or ``(B, H)``, ``sinks`` ``(H,)`` and ``attn_mask``
+        ``(B or 1, H or 1, t, M)`` (its key axis the cache's absolute positions) (None: not used),
+        the same on every rank; ``settings`` may hold ``softcap``.
 
     Returns
     -------
@@ -152,8 +160,9 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     prepare(c, q)
     t = spec.N
     mods = None
-    if spec.mask.softcap is not None or spec.mask.alibi:
-        mods = Modifiers(spec.mask.softcap, got[c.rank]["_alibi"], B=spec.B, H=spec.H)
+    if spec.mask.softcap is not None or spec.mask.alibi or spec.mask.attn_mask is not None:
+        mods = Modifiers(spec.mask.softcap, got[c.rank]["_alibi"], got[c.rank]["_mask"],
+                         B=spec.B, H=spec.H)
     attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite, mods)
     with c.abort_on_error():
         o, lse, blocks = partial_attention(attend, q, shard.views())

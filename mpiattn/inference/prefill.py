@@ -114,14 +114,16 @@ def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
 
 
 def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
-            layout: Any, options: dict, alibi: Any = None, sinks: Any = None) -> tuple[Any, Any]:
+            layout: Any, options: dict, alibi: Any = None, sinks: Any = None,
+            attn_mask: Any = None) -> tuple[Any, Any]:
     """pass-KV (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``chunk_pos`` are this rank's chunk rows (``0 .. C - 1``, local order by
     ``layout``); ``options`` the :class:`mpiattn.Options` fields to pass on
     (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``alibi``,
     ``sinks``: the slopes and sinks, or None (the bottom-right diagonal ``length`` makes ALiBi's
-    distance that of absolute positions).
+    distance that of absolute positions); ``attn_mask``: this rank's query rows of a mask whose
+    key axis is the absolute positions (the keys' global order here), or None.
     """
     xp = shard.xp
     kc, vc, pc = shard.whole()
@@ -131,17 +133,19 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
     kv_layout = Layout(c.allgather_obj(runs_of(pos)))
     causal = "bottom-right" if options.get("causal", True) else False
     return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy=Ring.name,
-                     alibi_slopes=alibi, sinks=sinks, **{**options, "causal": causal})
+                     alibi_slopes=alibi, sinks=sinks, attn_mask=attn_mask,
+                     **{**options, "causal": causal})
 
 
 def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
            counts: list, engine: Engine, spec: AttentionSpec, finite: bool = True,
-           alibi: Any = None, sinks: Any = None) -> tuple[Any, Any]:
+           alibi: Any = None, sinks: Any = None, attn_mask: Any = None) -> tuple[Any, Any]:
     """pass-Q (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``counts[r]`` is rank ``r``'s number of chunk rows; ``spec`` the call of
     the chunk against the cache (its rules, scale, value dim and softcap); ``alibi``,
-    ``sinks``: the slopes and sinks, or None.
+    ``sinks``: the slopes and sinks, or None; ``attn_mask``: this rank's query rows of a mask
+    over absolute key positions (host array), gathered with the queries, or None.
     """
     xp = backend.array_module(q)
     B, H, n, E = q.shape
@@ -155,8 +159,11 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     q_pos = length + np.concatenate(all_pos).astype(np.int64)
     blocks = list(shard.views()) + ([(k, v, length + chunk_pos)] if n else [])
     mods = None
-    if spec.mask.softcap is not None or alibi is not None:
-        mods = Modifiers(spec.mask.softcap, alibi, B=B, H=H)
+    if attn_mask is not None and P > 1:  # every rank's rows, in rank order as the queries
+        m = np.ascontiguousarray(np.moveaxis(attn_mask, 2, 0))
+        attn_mask = np.moveaxis(c.allgatherv_rows(m, counts), 0, 2)
+    if spec.mask.softcap is not None or alibi is not None or attn_mask is not None:
+        mods = Modifiers(spec.mask.softcap, alibi, attn_mask, B=B, H=H)
     o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite, mods), Q, blocks)
     C = q_pos.size
     buf = xp.empty((C, B, H, Ev + 1), dtype=acc)

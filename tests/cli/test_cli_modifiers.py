@@ -116,19 +116,18 @@ def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the
     sinks, slopes = rng.standard_normal(2), rng.uniform(0.1, 0.5, 2)
     path = lambda name: os.path.join(shared_dir, name)  # noqa: E731
     prompt = dict(q=q[:, :, :6], k=k[:, :, :6], v=v[:, :, :6])
-    for more, why in [({"attn_mask": np.ones((6, 6), bool)}, "prefill takes no attn_mask"),
+    for more, why in [({"attn_mask": np.ones((6, 5), bool)}, "attn_mask has shape (1, 1, 6, 5)"),
                       ({"sinks": np.zeros(3)}, "sinks has shape (3,), expected (H,) = (2,)")]:
         write_h5(comm, path("bad.h5"), **prompt, **more)
         code, _, err = run(comm, capsys, "prefill", path("bad.h5"), "-o", path("none.h5"))
         assert code == 1 and why in err, err
         assert not os.path.exists(path("none.h5"))
-        assert ("'mpiattn run' for one masked attention" in err) == ("attn_mask" in more)
     write_h5(comm, path("p.h5"), **prompt, sinks=sinks)
     assert run(comm, capsys, "prefill", path("p.h5"), "-o", path("c.h5"), "--softcap", 2, "-q")[0] == 0
     before = open(path("c.h5"), "rb").read() if comm.rank == 0 else None
     token = dict(q=q[:, :, 6:], k=k[:, :, 6:], v=v[:, :, 6:])
     decode = ("decode", path("c.h5"), "--queries", path("n.h5"), "-o", path("s.h5"))
-    for more, flags, why in [({"attn_mask": np.ones((1, 7), bool)}, (), "holds 'attn_mask', which decode does not take"),
+    for more, flags, why in [({"attn_mask": np.ones((1, 6), bool)}, (), "must span the whole cache"),
                              ({"sinks": sinks + 1}, (), "holds sinks that differ from those"),
                              ({}, ("--softcap", 3), "--softcap 3 differs from the softcap 2"),
                              ({"alibi_slopes": np.ones(3)}, (), "alibi_slopes has shape (3,)")]:
@@ -146,3 +145,31 @@ def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the
     got = whole(path("s.h5"))[0]
     np.testing.assert_allclose(got["out"], ref_out[:, :, 6:], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(got["lse"], ref_lse[:, :, 6:], rtol=1e-11, atol=1e-11)
+
+
+def test_prefill_and_decode_take_the_attn_mask_of_their_queries(comm, capsys, shared_dir):
+    """The prompt's mask (rows as slabs, not kept in the cache) and a step's over the grown cache:
+    the float64 reference of the whole sequence under the same mask."""
+    rng = np.random.default_rng(43)
+    B, H, Hkv, n0, E = 1, 2, 1, 3 * comm.size + 2, 4
+    L = n0 + 1
+    q = rng.standard_normal((B, H, L, E))
+    k, v = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    mask = np.tril(rng.random((1, H, L, L)) < 0.7) | np.eye(L, dtype=bool)
+    vis = visible_matrix(B, L, L, True)[:, None] & mask
+    ref_out, ref_lse = torch_reference(q, k, v, np.zeros((B, H, L, E)), vis)[:2]
+    prompt, cache, new, step = (os.path.join(shared_dir, n) for n in ("mp.h5", "mc.h5", "mn.h5", "ms.h5"))
+    write_h5(comm, prompt, q=q[:, :, :n0], k=k[:, :, :n0], v=v[:, :, :n0],
+             attn_mask=mask[:, :, :n0, :n0])
+    code, _, err = run(comm, capsys, "prefill", prompt, "-o", cache, "--layout", "zigzag", "-q")
+    assert code == 0, err
+    data, _ = whole(cache)
+    assert "attn_mask" not in data
+    np.testing.assert_allclose(data["out"], ref_out[:, :, :n0], rtol=1e-11, atol=1e-11)
+    write_h5(comm, new, q=q[:, :, n0:], k=k[:, :, n0:], v=v[:, :, n0:], attn_mask=mask[:, :, n0:])
+    code, _, err = run(comm, capsys, "decode", cache, "--queries", new, "-o", step, "--append", "-q")
+    assert code == 0, err
+    got, attrs = whole(step)
+    np.testing.assert_allclose(got["out"], ref_out[:, :, n0:], rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(got["lse"], ref_lse[:, :, n0:], rtol=1e-11, atol=1e-11)
+    assert attrs["score_modifiers"] == "attn_mask"

@@ -226,3 +226,33 @@ def test_decode_with_sinks_softcap_and_alibi(comm, window):
     np.testing.assert_allclose(host(out), ref[0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
     assert comm.allgather_obj(host(out).tobytes()) == [host(out).tobytes()] * comm.size
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_decode_with_an_attn_mask(comm, kind):
+    """The new queries' rows of a mask over the whole cache (absolute key positions), with the
+    sinks and a window, against the tests' float64 torch reference; a row the mask hides whole
+    gets the sink alone."""
+    from helpers import torch_reference, visible_matrix
+
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    B, H, Hkv, L, t, E = 2, 4, 2, 29, 3, 8
+    Q = rng.standard_normal((B, H, L, E))
+    K, V = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    sinks = rng.standard_normal(H)
+    vis = visible_matrix(B, t, L, "bottom-right", (20, 0))[:, None]
+    if kind == "bool":
+        mask = rng.random((B, 1, t, L)) < 0.6
+        mask[1, 0, 2] = False  # a query that sees nothing: the sink alone
+        bias, vis = None, vis & mask
+    else:
+        mask = np.where(rng.random((1, H, t, L)) < 0.2, -np.inf, rng.standard_normal((1, H, t, L)))
+        bias = mask
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V), page=4)
+    out, lse = cache.attend(Q[:, :, -t:], window=(20, 0), sinks=sinks, attn_mask=mask)
+    ref = torch_reference(Q[:, :, -t:], K, V, np.zeros((B, H, t, E)), vis, bias=bias, sinks=sinks)
+    np.testing.assert_allclose(host(out), ref[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="whole cache"):
+        cache.attend(Q[:, :, -t:], attn_mask=mask[..., :-1])

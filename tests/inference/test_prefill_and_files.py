@@ -189,3 +189,40 @@ def test_chunked_prefill_with_sinks_softcap_and_alibi(comm, variant):
     np.testing.assert_allclose(host(mpiattn.gather(out, layout="zigzag", root=None)), ref[0], atol=1e-12)
     np.testing.assert_allclose(host(mpiattn.gather(lse, axis=-1, layout="zigzag", root=None)), ref[1],
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["pass-kv", "pass-q"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_chunked_prefill_with_an_attn_mask(comm, variant, kind):
+    """Both variants with the chunk's rows of a mask over the cache and the chunk (absolute key
+    positions, zigzag rows) and the sinks: the whole sequence's float64 torch reference."""
+    from helpers import torch_reference, visible_matrix
+
+    pytest.importorskip("torch")
+    Q, K, V = _seq(12)
+    B, H, L = Q.shape[:3]
+    rng = np.random.default_rng(6)
+    n0, C = 29, 19
+    sinks = rng.standard_normal(H)
+    vis = visible_matrix(B, C, n0 + C, "bottom-right", None)[:, None]
+    if kind == "bool":
+        mask = rng.random((B, 1, C, n0 + C)) < 0.6
+        mask[0, 0, 4] = False
+        bias, vis = None, vis & mask
+    else:
+        mask = np.where(rng.random((1, H, C, n0 + C)) < 0.2, -np.inf, rng.standard_normal((1, H, C, n0 + C)))
+        bias = mask
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :n0]), mpiattn.shard(V[:, :, :n0]), page=3)
+    sl = slice(n0, n0 + C)
+    zig = lambda x: mpiattn.shard(x, layout="zigzag")  # noqa: E731
+    out, lse = cache.prefill(*(zig(x[:, :, sl]) for x in (Q, K, V)), layout="zigzag",
+                             variant=variant, sinks=sinks, attn_mask=zig(mask), append=False)
+    dO = np.zeros(Q[:, :, sl].shape[:3] + (V.shape[3],))
+    ref = torch_reference(Q[:, :, sl], K[:, :, :n0 + C], V[:, :, :n0 + C], dO, vis, bias=bias,
+                          sinks=sinks)
+    np.testing.assert_allclose(host(mpiattn.gather(out, layout="zigzag", root=None)), ref[0], atol=1e-12)
+    np.testing.assert_allclose(host(mpiattn.gather(lse, axis=-1, layout="zigzag", root=None)), ref[1],
+                               atol=1e-12)
+    with pytest.raises(ValueError, match="span the cache and the chunk"):
+        cache.prefill(*(zig(x[:, :, sl]) for x in (Q, K, V)), layout="zigzag", variant=variant,
+                      attn_mask=zig(mask[..., :-1]), append=False)
