@@ -22,6 +22,7 @@ from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_attention, dense_nbytes
 from ..layouts import Layout
 from ..masks import MaskSpec, diagonal
+from ..masks.modifiers import mask_kind
 from ..sharding import gather
 from ..strategies import AttentionSpec, Options, attention, attention_backward, registry
 from .check import check_errors
@@ -104,8 +105,7 @@ class Settings:
                                          segments=inp.segment_ids is not None,
                                          kv_segments=inp.kv_segment_ids is not None,
                                          alibi=inp.alibi_slopes is not None,
-                                         attn_mask=None if inp.attn_mask is None else (
-                                             "bool" if inp.attn_mask.dtype == np.bool_ else "float"),
+                                         attn_mask=mask_kind(inp.attn_mask),
                                          sinks=inp.sinks is not None)
 
 

@@ -33,7 +33,7 @@ from ..io.publishing import Outputs
 from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
-from ..masks.modifiers import check_attn_mask, check_slopes
+from ..masks.modifiers import check_attn_mask, check_slopes, mask_kind
 from ..masks.sinks import check_sinks
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE, Options
@@ -417,7 +417,7 @@ class KVCache:
                 kept["sinks"] = check_sinks(sinks, H)
             mask = None if attn_mask is None else check_attn_mask(attn_mask, s.B, H, q.shape[2])
             kept["attn_mask"] = mask
-            kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+            kind = mask_kind(mask)
             spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
                              alibi="alibi" in kept, sinks="sinks" in kept, attn_mask=kind)
             return {"q's heads": H, **o.by_field(), "variant": variant,

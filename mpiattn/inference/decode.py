@@ -32,7 +32,7 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import engines
-from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes
+from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes, mask_kind
 from ..masks.sinks import add_sinks, check_sinks
 from ..strategies import model
 from ..strategies.machines import Machine
@@ -102,7 +102,7 @@ def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> d
     if mask is not None and mask.shape[3] != length:
         raise ValueError(f"attn_mask must span the whole cache: its last axis must be {length} "
                          f"(the cache's length, the new tokens' keys appended), got {mask.shape[3]}")
-    kind = None if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+    kind = mask_kind(mask)
     spec = step_spec(shard, length, q, options, alibi=slopes is not None, sinks=sinks is not None,
                      attn_mask=kind)
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),

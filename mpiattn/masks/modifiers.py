@@ -31,6 +31,7 @@ import numpy as np
 from .. import backend
 
 __all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_softcap", "check_slopes", "check_attn_mask",
+           "mask_kind",
            "check_mask_mod", "fold_tile", "softcap_"]
 
 #: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
@@ -92,6 +93,14 @@ def check_attn_mask(mask: Any, B: int, H: int, n: int) -> np.ndarray:
     if np.isnan(a).any() or np.isposinf(a).any():
         raise ValueError("a float attn_mask may hold -inf (hidden) but not NaN or +inf")
     return a
+
+
+def mask_kind(mask: Any) -> str | None:
+    """The kind of a checked ``attn_mask`` as :class:`mpiattn.masks.MaskSpec` names it: ``"bool"``,
+    ``"float"``, or None without one."""
+    if mask is None:
+        return None
+    return "bool" if mask.dtype == np.bool_ else "float"
 
 
 def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:

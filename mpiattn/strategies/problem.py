@@ -27,7 +27,7 @@ from ..layouts import Layout, all_segments, check_shares, describe, layout_key, 
 from ..masks import QuerySide, diagonal
 from ..masks.counts import key_step_for, visible_keys
 from ..masks.ids import global_rows, local_ids
-from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod,
+from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, mask_kind,
                                check_slopes)
 from ..masks.sinks import check_sinks
 from . import machines, registry
@@ -179,7 +179,7 @@ def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
     if scores.get("attn_mask") is not None:
         kept["attn_mask"] = check_attn_mask(scores["attn_mask"], B, H, n)
         a = kept["attn_mask"]
-        agreed["attn_mask (kind, batch, heads)"] = ("bool" if a.dtype == np.bool_ else "float",
+        agreed["attn_mask (kind, batch, heads)"] = (mask_kind(a),
                                                     a.shape[0], a.shape[1])
     if scores.get("mask_mod") is not None:
         fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
