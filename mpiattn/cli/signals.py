@@ -219,18 +219,21 @@ class Guard:
         for r in range(1, self.size):
             if r not in self._told:
                 self._reply(r, "speak")  # asked or not: a later request of theirs is answered
-        waiting, deadline = set(self._requests), time.monotonic() + ANSWER_S
+        waiting, answered = set(self._requests), set()
+        deadline = time.monotonic() + ANSWER_S
         while waiting and time.monotonic() < deadline:
             if self.line.Iprobe(MPI.ANY_SOURCE, _ANSWER, status):
                 r = status.Get_source()
                 if self.line.recv(source=r, tag=_ANSWER) == "alone":
                     return False
+                answered.add(r)
                 waiting.discard(r)
             elif self.line.Iprobe(MPI.ANY_SOURCE, _REQUEST, status):
                 r = status.Get_source()
                 self._heard.setdefault(r, self.line.recv(source=r, tag=_REQUEST))
                 self._requests.add(r)
-                waiting.add(r)  # it was told already: its answer comes
+                if r not in answered:  # (its answer may be matched before its request: tags differ)
+                    waiting.add(r)  # it was told already: its answer comes
             else:
                 time.sleep(0.005)
         return not waiting

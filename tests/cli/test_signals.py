@@ -21,6 +21,7 @@ import time
 import pytest
 
 from mpiattn import cli
+from mpiattn.cli import signals
 from helpers import finish_group, mpiexec
 
 LIMIT_S = 120
@@ -270,3 +271,66 @@ def test_an_abort_runs_no_c_exit_handler(serial_only, tmp_path):
             "ctypes.CDLL(None).exit(0)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT_S)
     assert p.returncode == 7, p.stderr
+
+
+class _ScriptedLine:
+    """A guard line whose messages arrive on a script: ``after_sends`` arrive once rank 0 has
+    told every rank it speaks, ``after_request_of[r]`` once rank 0 has received r's request."""
+
+    def __init__(self, first, after_sends, after_request_of):
+        self.arrived, self.after_sends, self.after_request_of = list(first), after_sends, after_request_of
+        self.sent = []
+
+    def isend(self, what, dest, tag):
+        self.sent.append((dest, tag, what))
+        if len(self.sent) == 2:
+            self.arrived += self.after_sends
+        return None
+
+    def Iprobe(self, source, tag, status=None):
+        for src, t, _ in self.arrived:
+            if t == tag:
+                if status is not None:
+                    status.Set_source(src)
+                return True
+        return False
+
+    def recv(self, source, tag):
+        for i, (src, t, what) in enumerate(self.arrived):
+            if src == source and t == tag:
+                del self.arrived[i]
+                if tag == signals._REQUEST:
+                    self.arrived += self.after_request_of.get(src, [])
+                return what
+        raise AssertionError(f"no message from {source} with tag {tag}")
+
+
+def test_rank_0_counts_an_answer_matched_before_its_request(serial_only, monkeypatch):
+    # Seen on two hosts (CI, 1 in 6 tries): rank 1's request came after rank 0 had taken the
+    # requests waiting, rank 0 told it that it speaks, and rank 1's "agreed" was matched before
+    # its request (other tag); rank 0 then waited for an answer that had come, ANSWER_S, and
+    # stayed silent: the job ended 60 s later, without a message.
+    monkeypatch.setattr(signals, "ANSWER_S", 2.0)
+    req, ans = signals._REQUEST, signals._ANSWER
+    guard = object.__new__(signals.Guard)
+    guard.rank, guard.size, guard._sent = 0, 3, []
+    guard._requests, guard._told, guard._heard = set(), set(), {}
+    guard.line = _ScriptedLine(first=[(2, req, 15)],
+                               after_sends=[(1, req, 15), (1, ans, "agreed")],
+                               after_request_of={1: [(2, ans, "agreed")]})
+    t0 = time.monotonic()
+    assert guard._all_agree() is True
+    assert time.monotonic() - t0 < 1.0
+    assert guard._requests == {1, 2} and guard._heard == {1: 15, 2: 15}
+    assert sorted(dest for dest, tag, _ in guard.line.sent) == [1, 2]
+
+
+def test_rank_0_stays_silent_when_a_rank_speaks_alone(serial_only, monkeypatch):
+    monkeypatch.setattr(signals, "ANSWER_S", 2.0)
+    req, ans = signals._REQUEST, signals._ANSWER
+    guard = object.__new__(signals.Guard)
+    guard.rank, guard.size, guard._sent = 0, 3, []
+    guard._requests, guard._told, guard._heard = set(), set(), {}
+    guard.line = _ScriptedLine(first=[(1, req, 15), (2, req, 15)],
+                               after_sends=[(1, ans, "agreed"), (2, ans, "alone")], after_request_of={})
+    assert guard._all_agree() is False
