@@ -65,6 +65,24 @@ suite_summary() {  # suite_summary LOG: the last "N passed, N failed, N skipped"
     grep -aE '^[0-9]+ passed, [0-9]+ failed' "$1" | tail -n 1
 }
 
+sum_summaries() {  # sum_summaries LOG...: one "N passed, N failed, N skipped" line, the logs' pytest
+    # summaries summed (of each log its last summary, the first on that line: every rank prints one)
+    python3 - "$@" <<'PYEOF'
+import re, sys
+total = dict.fromkeys(("passed", "failed", "skipped"), 0)
+for path in sys.argv[1:]:
+    try:
+        lines = [ln for ln in open(path, errors="replace") if re.search(r"\d+ (passed|failed)", ln)]
+    except OSError:
+        lines = []
+    # the first summary on the last line (ranks' lines may run together on one line)
+    first = re.search(r"((?:\d+ \w+,? )+)in [\d.]+s", lines[-1]) if lines else None
+    for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?)", first.group(1) if first else ""):
+        total["failed" if w.startswith("error") else w] += int(n)
+print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
+PYEOF
+}
+
 installed() {  # installed PKG...: true when every Debian package is installed
     local p
     for p in "$@"; do

@@ -102,20 +102,7 @@ else
     step "Open MPI over the two hosts: not run (no .ci/.venv-openmpi: the openmpi lane makes it)"
 fi
 
-"$PY" - "${LOGS[@]}" <<'PYEOF'  # one summary line in .ci/run's format: each run's rank 0 counts, summed
-import re, sys
-total = dict.fromkeys(("passed", "failed", "skipped"), 0)
-for path in sys.argv[1:]:
-    try:
-        lines = [ln for ln in open(path, errors="replace") if re.search(r"\d+ (passed|failed)", ln)]
-    except OSError:
-        lines = []
-    # the first summary on the last line (ranks' lines may run together on one line)
-    first = re.search(r"((?:\d+ \w+,? )+)in [\d.]+s", lines[-1]) if lines else None
-    for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?)", first.group(1) if first else ""):
-        total["failed" if w.startswith("error") else w] += int(n)
-print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
-PYEOF
+sum_summaries "${LOGS[@]}"
 bash "$CLUSTER" counters
 [[ $blocks_rc == 0 ]] || verdict FAIL "pytest on 2 hosts x 2 ranks exited $blocks_rc: $(suite_summary "$LANE_TMP/blocks.log")"
 [[ $interleaved_rc == 0 ]] || verdict FAIL "pytest on interleaved hosts exited $interleaved_rc"

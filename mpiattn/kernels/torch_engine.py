@@ -34,7 +34,7 @@ GPU); masks: causal and key padding (windows and documents go to
 ``native``); score modifiers: ALiBi, ``attn_mask`` (bool or float) and
 ``mask_mod``, forward and backward (softcap and ``max_logit`` go to ``native``:
 SDPA has no nonlinear score, nor the scores' maximum). Tested on the CPU with
-torch 2.13 and 2.11 (the GPU machine's; the modifiers on 2.13 only); support is
+torch 2.13, 2.11 (the GPU machine's) and 2.15 (the CI's torch_versions lane); support is
 decided by the ops' schemas (:mod:`mpiattn.kernels.torch_ops`).
 """
 

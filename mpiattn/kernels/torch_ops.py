@@ -66,9 +66,9 @@ import numpy as np
 from .. import backend
 
 #: The torch versions the engine was tested with (informative: the schemas decide). 2.13.0+cpu:
-#: the contract suite; 2.11.0+cu130 (the GPU machine's version, on a CPU): the six schemas match
-#: and the contract suite's torch cases pass.
-TESTED_TORCH = ("2.13", "2.11")
+#: the whole suite; 2.11.0+cu130 (the GPU machine's version) and 2.15.0+cu132, on a CPU (the CI's
+#: torch_versions lane): the six schemas match and the torch cases of the contract suite pass.
+TESTED_TORCH = ("2.13", "2.11", "2.15")
 _CPU_F = "_scaled_dot_product_flash_attention_for_cpu"
 _SCHEMAS = {
     _CPU_F: "(Tensor query, Tensor key, Tensor value, float dropout_p=0., bool is_causal=False,"

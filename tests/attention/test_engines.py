@@ -96,6 +96,26 @@ def test_torch_support_is_decided_by_its_op_schemas(monkeypatch):
     assert why is not None and "another signature" in why and torch_ops._CPU_F in why
 
 
+def test_a_torch_with_other_op_schemas_is_refused_by_name_and_auto_stays_native(comm, monkeypatch):
+    """A torch the engine does not know (an op's signature changed): engine='torch' fails on every
+    rank with the op named, engine='auto' runs native and gives the float64 answer."""
+    if engines.get("torch").usable("numpy") is not None:
+        pytest.skip("torch engine not usable here")
+    monkeypatch.setitem(torch_ops._SCHEMAS, torch_ops._CPU_F + "_backward", "(Tensor grad_out) -> Tensor")
+    with pytest.raises(ValueError, match=f"engine 'torch' cannot run on rank 0: .*another "
+                                         f"signature.*{torch_ops._CPU_F}_backward"):
+        _chosen(comm, monkeypatch, engine="torch")
+    assert _chosen(comm, monkeypatch, engine="auto")[0] == "native"
+    q, k, v = _case(comm, np.float64)
+    out, lse = mpiattn.attention(q, k, v, engine="auto")
+    Q, K, V = (np.concatenate(comm.allgather_obj(x), axis=2) for x in (q, k, v))
+    s = Q @ np.repeat(K, 2, axis=1).swapaxes(-1, -2) / np.sqrt(8)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ np.repeat(V, 2, axis=1)
+    np.testing.assert_allclose(np.concatenate(comm.allgather_obj(host(out)), axis=2), ref,
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_unknown_engine_same_error_everywhere(comm):
     q, k, v = _case(comm)
     with pytest.raises(ValueError, match="unknown engine 'fast'"):

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# CI lane "torch_versions": the torch engine, mpiattn.torch and the transformers adapter on the
+# oldest and the newest torch the `torch` extra admits (pyproject.toml: torch>=2.11,<2.16), each
+# in a venv of its own (.ci/.venv-torch-<version>, pip's MPICH, transformers from the hf extra).
+# The main suite runs on the torch the CI pins for it (.ci/main-constraints.txt); here:
+#   * the op schemas the torch engine was written for (mpiattn.kernels.torch_ops.available);
+#   * at 1 and 2 ranks: tests/torch_interface (autograd, modules, the hf adapter on tiny Llama,
+#     Qwen 3, Mistral, Gemma 2 and gpt-oss), tests/attention/test_engines.py, and the torch
+#     engine's cases of the shared contract suite and of the score modifiers' grid.
+# PyPI's Linux wheels of torch are CUDA builds (about 5 GB with their nvidia-* wheels); they run
+# on a machine without a GPU. A machine-wide pip constraint (e.g. one capping torch below the
+# newest release) is lifted for these venvs only (PIP_CONSTRAINT=/dev/null).
+# Last line: "LANE torch_versions: PASS", "... FAIL (why)" or "... SKIP (why)" (SKIP: pip could
+# not download a torch release).
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=.ci/lanes/lib.sh
+. .ci/lanes/lib.sh
+lane_init torch_versions
+
+VERSIONS=(2.11.0 2.15.0)   # the extra's oldest and newest release
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 PY_COLORS=0
+TESTS=(tests/torch_interface tests/attention/test_engines.py tests/attention/test_contract.py
+       tests/attention/test_modifiers.py)
+# every test of the torch-interface and engine files; of the two suites, the torch engine's cases
+SELECT="(not test_contract and not test_modifiers) or torch"
+
+for version in "${VERSIONS[@]}"; do
+    venv=$PWD/.ci/.venv-torch-$version
+    py=$venv/bin/python
+    step "venv $venv: torch $version, mpiattn[mpich,test,hf]"
+    python3 -m venv "$venv" || verdict FAIL "python3 -m venv failed"
+    PIP_CONSTRAINT=/dev/null "$py" -m pip install -q "torch==$version" \
+        || verdict SKIP "pip could not install torch $version"
+    PIP_CONSTRAINT=/dev/null "$py" -m pip install -q -e ".[mpich,test,hf]" "torch==$version" \
+        || verdict FAIL "pip install -e .[mpich,test,hf] with torch $version failed"
+    got=$("$py" -c "import torch; print(torch.__version__)") || verdict FAIL "torch $version does not import"
+    [[ $got == "$version"* ]] || verdict FAIL "torch $version asked for, $got installed"
+    why=$("$py" -c "from mpiattn.kernels import torch_ops; print(torch_ops.available() or 'ok')")
+    echo "torch $got: the engine's op schemas: $why"
+    [[ $why == ok ]] || verdict FAIL "torch $got: $why"
+    for n in 1 2; do
+        step "torch $got at $n rank(s)"
+        log=$LANE_TMP/torch-$version-$n.log
+        launch=("$venv/bin/mpiexec" -n "$n")
+        [[ $n == 1 ]] && launch=()  # one process without mpiexec: its tests start MPI jobs of their own
+        timeout -k 10 600 "${launch[@]}" "$py" -m pytest --with-mpi -q -p no:cacheprovider \
+            -rfE "${TESTS[@]}" -k "$SELECT" | tee "$log"
+        rc=${PIPESTATUS[0]}
+        [[ $rc == 0 ]] || verdict FAIL "torch $got at $n rank(s): pytest exited $rc"
+    done
+done
+sum_summaries "$LANE_TMP"/torch-*.log
+verdict PASS
