@@ -57,7 +57,7 @@ from ..comm import errors
 from ..inference import PAGE_ROWS, KVCache
 from ..inference.placement import check_page
 from ..io import kvstore
-from ..io.schema import WHOLE_DATASETS, check_whole
+from ..io.schema import WHOLE_DATASETS, check_whole, promoted_shape
 from ..kernels import engines
 from ..layouts import Layout, all_segments
 from ..strategies import Options, attention
@@ -254,7 +254,8 @@ def cmd_decode(args: Any, con: Console) -> int:
             cache.append(move(new["k"]), move(new["v"]), check_finite=finite)
         mask = new.get("attn_mask")  # (host: the modifiers' arrays live there)
         if mask is not None:  # (t, L) or (H, t, L) stand for (1, 1, t, L), (1, H, t, L), as in run
-            mask = mask.reshape((1,) * max(4 - mask.ndim, 0) + mask.shape)
+            with errors.alike():  # (read whole: the same on every rank)
+                mask = mask.reshape(promoted_shape("attn_mask", mask.shape))
             mask = mask if mask.dtype == np.bool_ else mask.astype(np.float64, copy=False)
         out, lse = cache.attend(move(new["q"]), window=window, scale=scale, softcap=softcap,
                                 attn_mask=mask, engine=args.engine, check_finite=finite,

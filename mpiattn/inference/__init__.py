@@ -9,7 +9,8 @@
 ``local``
     one rank's partial attention of queries at known positions;
 ``decode``
-    a few new queries (every rank holds them) against the cache;
+    a few new queries (every rank holds them) against the cache; :class:`DecodePlan`, a loop's
+    steps planned once (:meth:`KVCache.plan_attend`);
 ``prefill``
     a sharded chunk against the cache: pass-KV and pass-Q, and the rule between them;
 ``cache``
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 from .cache import KVCache
+from .decode import DecodePlan
 from .placement import PAGE_ROWS, Placement
 
-__all__ = ["KVCache", "Placement", "PAGE_ROWS"]
+__all__ = ["KVCache", "DecodePlan", "Placement", "PAGE_ROWS"]

@@ -33,13 +33,11 @@ from ..io.publishing import Outputs
 from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
-from ..masks.modifiers import check_attn_mask, check_slopes, mask_kind
-from ..masks.sinks import check_sinks
 from ..strategies import machines
-from ..strategies.spec import SKIP_FINITE, Options
-from .decode import checksum, decode, step_spec
+from ..strategies.spec import SKIP_FINITE
+from .decode import DecodePlan, checksum, decode
 from .placement import PAGE_ROWS, POLICY, Placement, check_page
-from .prefill import VARIANTS, choose, pass_kv, pass_q, runs_of
+from .prefill import choose, chunk_checks, pass_kv, pass_q, runs_of
 from .shard import Shard
 
 __all__ = ["KVCache"]
@@ -348,6 +346,32 @@ class KVCache:
         return decode(self.comm, self.shard, self.length, q, settings, details,
                       {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask})
 
+    def plan_attend(self, q: Any, *, causal: bool = True, window: Any = None,
+                    scale: float | None = None, softcap: float | None = None,
+                    alibi_slopes: Any = None, sinks: Any = None, attn_mask: Any = None,
+                    engine: str = "auto", check_finite: bool = True) -> DecodePlan:
+        """Decode steps of ``q``'s shape, planned once (collective): a
+        :class:`~mpiattn.inference.decode.DecodePlan` whose calls ``plan(q, attn_mask=None)``
+        are :meth:`attend` with these settings, against the cache as it is at each call.
+
+        The keywords are :meth:`attend`'s and are agreed now, with ``q`` (an example of the
+        steps' queries: its shape and dtype are the plan's) and ``attn_mask`` (given here
+        when the steps take one: its kind, bool or float, is the plan's; each step passes its
+        own, spanning the cache then). A step then checks only that its queries fit and are
+        the same on every rank (one small allgather).
+
+        Examples
+        --------
+        >>> plan = cache.plan_attend(q)            # doctest: +SKIP
+        >>> for token in range(steps):             # doctest: +SKIP
+        ...     cache.append(k_new, v_new)
+        ...     out, lse = plan(q)
+        """
+        settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
+                        softcap=softcap, engine=engine, check_finite=check_finite)
+        return DecodePlan(self.comm, self.shard, lambda: self.length, q, settings,
+                          {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask})
+
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
                 window: Any = None, scale: float | None = None, softcap: float | None = None,
                 alibi_slopes: Any = None, sinks: Any = None, attn_mask: Any = None,
@@ -391,44 +415,9 @@ class KVCache:
         options = dict(window=window, scale=scale, softcap=softcap, engine=engine,
                        check_finite=check_finite)
         kept: dict = {}
-
-        def local() -> dict:
-            o = Options.of(None, **options, layout=layout)
-            if variant not in VARIANTS:
-                raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-            xp = backend.array_module(q, k, v)
-            if xp is not s.xp:
-                raise TypeError(f"prefill: the chunk is {xp.__name__}, the cache {s.xp.__name__}")
-            for name, x, heads, F in (("q", q, None, s.E), ("k", k, s.Hkv, s.E), ("v", v, s.Hkv, s.Ev)):
-                if x.dtype != s.dtype:
-                    raise TypeError(f"prefill: {name} has dtype {x.dtype}, the cache holds {s.dtype}")
-                if x.ndim != 4 or x.shape[0] != s.B or x.shape[3] != F or \
-                        (heads is not None and x.shape[1] != heads):
-                    raise ValueError(f"prefill: {name} has shape {x.shape}; the cache needs (B, "
-                                     f"{'H' if heads is None else heads}, c_r, {F}) with B = {s.B}")
-            if q.shape[1] % s.Hkv or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
-                raise ValueError(f"prefill: q {q.shape}, k {k.shape}, v {v.shape}: heads must be a "
-                                 f"multiple of {s.Hkv} and the rows the same")
-            name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
-            H = int(q.shape[1])
-            if alibi_slopes is not None:
-                kept["alibi"] = check_slopes(alibi_slopes, s.B, H)
-            if sinks is not None:
-                kept["sinks"] = check_sinks(sinks, H)
-            mask = None if attn_mask is None else check_attn_mask(attn_mask, s.B, H, q.shape[2])
-            kept["attn_mask"] = mask
-            kind = mask_kind(mask)
-            spec = step_spec(s, self.length + q.shape[2], q, Options.of(o, causal=True),
-                             alibi="alibi" in kept, sinks="sinks" in kept, attn_mask=kind)
-            return {"q's heads": H, **o.by_field(), "variant": variant,
-                    "machine": name, "_n": int(q.shape[2]), "_spec": spec,
-                    "alibi_slopes (CRC-32)": checksum(kept["alibi"]) if "alibi" in kept else None,
-                    "sinks (CRC-32)": checksum(kept["sinks"]) if "sinks" in kept else None,
-                    "attn_mask (kind, batch, heads)": None if mask is None else (kind, *mask.shape[:2]),
-                    "_keys": None if mask is None else mask.shape[3],
-                    "_engine": engines.local_choice(engine, spec)}
-
-        got = c.agree(local)
+        scores = {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask}
+        got = c.agree(lambda: chunk_checks(s, self.length, q, k, v, options, layout, variant,
+                                           machine, scores, kept), call="KVCache.prefill")
         with errors.alike():
             counts = [g["_n"] for g in got]
             C = sum(counts)

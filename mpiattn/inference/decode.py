@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from .local import partial_attention, step_attend
 from .merge import tree_merge
 from .shard import Shard
 
-__all__ = ["decode", "checksum", "step_spec", "Step", "predict_step"]
+__all__ = ["decode", "DecodePlan", "checksum", "step_spec", "Step", "predict_step"]
 
 
 def checksum(x: Any) -> int:
@@ -114,9 +114,112 @@ def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> d
             "_alibi": slopes, "_sinks": sinks, "_mask": mask}
 
 
+class DecodePlan:
+    """Decode steps of one shape against a growing cache, planned once (collective to make).
+
+    Made by :meth:`mpiattn.inference.KVCache.plan_attend`. Making it does what every one-shot
+    step does first (step 1 of the module docstring: the local checks, the agreement of every
+    setting and score modifier, the engine); calling it only checks, on every rank, that the
+    queries are the planned ones (shape, dtype, backend, finiteness with ``check_finite``, the
+    ``attn_mask``'s shape) and that every rank holds the same queries (CRC-32), in one small
+    allgather, then attends the cache as it is then (its length grows with each append).
+
+    Attributes
+    ----------
+    shape : tuple
+        The planned ``q`` shape ``(B, H, t, E)``.
+    dtype : numpy.dtype
+    engine : str
+        The engine every step uses.
+    """
+
+    def __init__(self, c: Comm, shard: Shard, length_of: Callable[[], int], q: Any, settings: dict,
+                 scores: dict | None = None, call: str = "KVCache.plan_attend"):
+        scores = scores or {}
+        got = c.agree(lambda: _local(shard, length_of(), q, dict(settings), scores), call=call)
+        with errors.alike():
+            for r, g in enumerate(got):
+                if not g["_engine"][0]:
+                    raise ValueError(f"engine {settings.get('engine')!r} cannot run on rank {r}: "
+                                     f"{g['_engine'][1]}; use engine='native' or 'auto'")
+        mine = got[c.rank]
+        self.comm, self.shard, self._length_of = c, shard, length_of
+        self.shape, self.dtype = tuple(q.shape), q.dtype
+        self.engine = got[0]["_engine"][0]
+        self._spec: AttentionSpec = got[0]["_spec"]
+        self._alibi, self._sinks, self._mask = mine["_alibi"], mine["_sinks"], mine["_mask"]
+        self._mask_kind = mask_kind(self._mask)
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan(shape={self.shape}, dtype={self.dtype}, engine={self.engine!r}, "
+                f"ranks={self.comm.size})")
+
+    def _misfit(self, q: Any, attn_mask: Any, length: int) -> tuple:
+        """This rank's check of a step (local; raises): ``(CRC-32 of q, of attn_mask)``."""
+        xp = backend.array_module(q)
+        if xp is not self.shard.xp or tuple(q.shape) != self.shape or q.dtype != self.dtype:
+            raise ValueError(f"DecodePlan: q is a {xp.__name__} array of shape {tuple(q.shape)} "
+                             f"and dtype {q.dtype}; the plan is for {self.shard.xp.__name__} "
+                             f"arrays of {self.shape} {self.dtype} (make another plan for others)")
+        if self._spec.options.check_finite and not bool(xp.isfinite(q).all()):
+            raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
+        if (attn_mask is None) != (self._mask_kind is None):
+            raise ValueError(f"DecodePlan: the plan was made {'without' if attn_mask is not None else 'with'}"
+                             " an attn_mask; pass one exactly when the plan has one")
+        if attn_mask is None:
+            return checksum(q), None
+        B, H, t, _ = self.shape
+        mask = check_attn_mask(attn_mask, B, H, t)
+        if mask.shape[3] != length or mask_kind(mask) != self._mask_kind:
+            raise ValueError(f"DecodePlan: attn_mask must be a {self._mask_kind} mask spanning the "
+                             f"cache ({length} keys), got {mask.dtype} {tuple(mask.shape)}")
+        return checksum(q), checksum(mask)
+
+    def __call__(self, q: Any, *, attn_mask: Any = None, details: dict | None = None
+                 ) -> tuple[Any, Any]:
+        """One step (collective): ``q (B, H, t, E)``, the planned shape, the same on every rank,
+        against the cache's ``length`` rows; ``attn_mask (B or 1, H or 1, t, length)`` when the
+        plan was made with one. Returns ``out (B, H, t, Ev)``, ``lse (B, H, t)`` as
+        :meth:`mpiattn.inference.KVCache.attend`; ValueError on every rank alike."""
+        length = self._length_of()
+        got = self.comm.allgather_checked(lambda: self._misfit(q, attn_mask, length),
+                                          call="DecodePlan")
+        errors.same_everywhere(got, "the queries (CRC-32 of q, attn_mask)")
+        B, H, t, _ = self.shape
+        mask = None if attn_mask is None else check_attn_mask(attn_mask, B, H, t)
+        return self.run(q, length, mask, details)
+
+    def run(self, q: Any, length: int, mask: Any = None, used: dict | None = None
+            ) -> tuple[Any, Any]:
+        """The step on queries known to fit (no check); ``mask`` checked, or the plan's own."""
+        c = self.comm
+        spec = self._spec
+        if spec.M != length:
+            spec = step_spec(self.shard, length, q, spec.options, alibi=spec.mask.alibi,
+                             sinks=spec.mask.sinks, attn_mask=self._mask_kind)
+        mask = self._mask if mask is None else mask
+        engine = engines.get(self.engine)
+        prepare(c, q)
+        t = spec.N
+        mods = None
+        if spec.mask.softcap is not None or spec.mask.alibi or mask is not None:
+            mods = Modifiers(spec.mask.softcap, self._alibi, mask, B=spec.B, H=spec.H)
+        attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite,
+                             mods)
+        with c.abort_on_error():
+            o, lse, blocks = partial_attention(attend, q, self.shard.views())
+            o, lse = tree_merge(c, o, lse)
+            if spec.mask.sinks:  # the merged rows, the same on every rank
+                o, lse = add_sinks(o, lse, self._sinks)
+        if used is not None:
+            used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
+        return o.astype(spec.dtype, copy=False), lse
+
+
 def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
            used: dict | None = None, scores: dict | None = None) -> tuple[Any, Any]:
-    """One decode step (see the module docstring); collective on ``c``.
+    """One decode step (see the module docstring); collective on ``c``: a :class:`DecodePlan`
+    made for it and run once.
 
     Parameters
     ----------
@@ -148,30 +251,8 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     ValueError, TypeError
         On every rank alike (marked :class:`mpiattn.comm.errors.Agreed`).
     """
-    got = c.agree(lambda: _local(shard, length, q, dict(settings), scores or {}),
-                  call="KVCache.attend")
-    with errors.alike():
-        for r, g in enumerate(got):
-            if not g["_engine"][0]:
-                raise ValueError(f"engine {settings.get('engine')!r} cannot run on rank {r}: "
-                                 f"{g['_engine'][1]}; use engine='native' or 'auto'")
-    spec: AttentionSpec = got[0]["_spec"]
-    engine = engines.get(got[0]["_engine"][0])
-    prepare(c, q)
-    t = spec.N
-    mods = None
-    if spec.mask.softcap is not None or spec.mask.alibi or spec.mask.attn_mask is not None:
-        mods = Modifiers(spec.mask.softcap, got[c.rank]["_alibi"], got[c.rank]["_mask"],
-                         B=spec.B, H=spec.H)
-    attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite, mods)
-    with c.abort_on_error():
-        o, lse, blocks = partial_attention(attend, q, shard.views())
-        o, lse = tree_merge(c, o, lse)
-        if spec.mask.sinks:  # the merged rows, the same on every rank
-            o, lse = add_sinks(o, lse, got[c.rank]["_sinks"])
-    if used is not None:
-        used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
-    return o.astype(spec.dtype, copy=False), lse
+    plan = DecodePlan(c, shard, lambda: length, q, settings, scores, call="KVCache.attend")
+    return plan.run(q, length, None, used)
 
 
 def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,

@@ -40,20 +40,22 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import Comm
+from ..kernels import engines
 from ..kernels.engine import Engine
 from ..layouts import Layout
-from ..masks.modifiers import Modifiers
-from ..masks.sinks import add_sinks
+from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes, mask_kind
+from ..masks.sinks import add_sinks, check_sinks
 from ..strategies.api import attention
-from ..strategies import model
+from ..strategies import machines, model
 from ..strategies.machines import Machine
 from ..strategies.ring import Ring
-from ..strategies.spec import AttentionSpec
+from ..strategies.spec import AttentionSpec, Options
+from .decode import checksum, step_spec
 from .local import partial_attention, step_attend
 from .merge import merge
 from .shard import Shard
 
-__all__ = ["VARIANTS", "Choice", "choose", "flops", "pass_kv", "pass_q", "runs_of"]
+__all__ = ["VARIANTS", "Choice", "choose", "chunk_checks", "flops", "pass_kv", "pass_q", "runs_of"]
 
 #: Accepted values of ``variant=``.
 VARIANTS = ("auto", "pass-kv", "pass-q")
@@ -179,3 +181,48 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     if sinks is not None:  # the merged rows, at their owner
         out, out_l = add_sinks(out, out_l, sinks)
     return out.astype(q.dtype, copy=False), out_l
+
+
+def chunk_checks(s: Shard, length: int, q: Any, k: Any, v: Any, options: dict, layout: Any,
+                 variant: str, machine: str | None, scores: dict, kept: dict) -> dict:
+    """This rank's checks of a chunk of :meth:`mpiattn.inference.KVCache.prefill` (local; inside
+    its agreement: errors are agreed), against the cache's rows ``s`` of ``length`` positions.
+
+    ``scores`` holds the call's ``alibi_slopes``, ``sinks`` and ``attn_mask``; their checked
+    forms are put in ``kept`` (``alibi``, ``sinks``, ``attn_mask``). Returns the fields the ranks
+    agree on (names starting with ``_`` are not compared).
+    """
+    o = Options.of(None, **options, layout=layout)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    xp = backend.array_module(q, k, v)
+    if xp is not s.xp:
+        raise TypeError(f"prefill: the chunk is {xp.__name__}, the cache {s.xp.__name__}")
+    for name, x, heads, F in (("q", q, None, s.E), ("k", k, s.Hkv, s.E), ("v", v, s.Hkv, s.Ev)):
+        if x.dtype != s.dtype:
+            raise TypeError(f"prefill: {name} has dtype {x.dtype}, the cache holds {s.dtype}")
+        if x.ndim != 4 or x.shape[0] != s.B or x.shape[3] != F or \
+                (heads is not None and x.shape[1] != heads):
+            raise ValueError(f"prefill: {name} has shape {x.shape}; the cache needs (B, "
+                             f"{'H' if heads is None else heads}, c_r, {F}) with B = {s.B}")
+    if q.shape[1] % s.Hkv or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(f"prefill: q {q.shape}, k {k.shape}, v {v.shape}: heads must be a "
+                         f"multiple of {s.Hkv} and the rows the same")
+    name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
+    H = int(q.shape[1])
+    if scores.get("alibi_slopes") is not None:
+        kept["alibi"] = check_slopes(scores["alibi_slopes"], s.B, H)
+    if scores.get("sinks") is not None:
+        kept["sinks"] = check_sinks(scores["sinks"], H)
+    mask = scores.get("attn_mask")
+    mask = kept["attn_mask"] = None if mask is None else check_attn_mask(mask, s.B, H, q.shape[2])
+    kind = mask_kind(mask)
+    spec = step_spec(s, length + q.shape[2], q, Options.of(o, causal=True),
+                     alibi="alibi" in kept, sinks="sinks" in kept, attn_mask=kind)
+    return {"q's heads": H, **o.by_field(), "variant": variant,
+            "machine": name, "_n": int(q.shape[2]), "_spec": spec,
+            "alibi_slopes (CRC-32)": checksum(kept["alibi"]) if "alibi" in kept else None,
+            "sinks (CRC-32)": checksum(kept["sinks"]) if "sinks" in kept else None,
+            "attn_mask (kind, batch, heads)": None if mask is None else (kind, *mask.shape[:2]),
+            "_keys": None if mask is None else mask.shape[3],
+            "_engine": engines.local_choice(options.get("engine", "auto"), spec)}

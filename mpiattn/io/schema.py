@@ -26,7 +26,7 @@ from .hdf5types import BFLOAT16, is_bfloat16_type
 from .opening import _open_read, _plain, file_info, identity
 
 __all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "WHOLE_DATASETS", "window_from_attribute",
-           "read_whole_datasets", "check_whole", "read_meta"]
+           "read_whole_datasets", "check_whole", "read_meta", "promoted_shape"]
 
 #: Input datasets and the axis (from the end) of their sequence dimension (``attn_mask``
 #: ``(B or 1, H or 1, N, M)``: its query rows, read like ``q``'s).
@@ -43,8 +43,10 @@ KEY_DATASETS = ("k", "v", "key_padding_mask", "kv_segment_ids")
 _ROWS_2D = ("key_padding_mask", "segment_ids", "kv_segment_ids")
 
 
-def _promoted(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Stored shape -> 4-D (2-D for the mask and the ids) by leading axes of length 1."""
+def promoted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Stored shape of dataset ``name`` -> 4-D (2-D for the key padding mask and the ids) by
+    leading axes of length 1: ``(L, F)`` and ``(H, L, F)`` stand for ``(1, 1, L, F)`` and
+    ``(1, H, L, F)``; ValueError naming the forms for another number of axes."""
     want = 2 if name in _ROWS_2D else 4
     lo = 1 if name in _ROWS_2D else 2
     if not lo <= len(shape) <= want:
@@ -172,7 +174,7 @@ def _read_meta(path: str) -> dict:
             stored[name] = tuple(int(s) for s in ds.shape)
             dtypes[name] = (BFLOAT16 if is_bfloat16_type(ds.id.get_type())  # docs/file-format.md
                             else ds.dtype.newbyteorder("=").str)  # read in native byte order
-        shapes = {name: _promoted(name, s) for name, s in stored.items()}
+        shapes = {name: promoted_shape(name, s) for name, s in stored.items()}
         _validate(shapes)
         whole = {name: x.shape for name, x in read_whole_datasets(f, path).items()}
         check_whole(whole, *shapes["q"][:2])

@@ -185,6 +185,9 @@ class Generation:
     ----------
     caches : dict of int to mpiattn.inference.KVCache
         Per layer index, filled by the prompt's forward.
+    plans : dict of int to mpiattn.inference.decode.DecodePlan
+        Per layer index, the decode steps' plan (made at the first new token; the layer's
+        settings and sinks do not change while the model generates).
     decoding : bool
         False while the prompt runs (sharded); True for the new tokens (the same on every rank).
     """
@@ -192,6 +195,7 @@ class Generation:
     def __init__(self, comm: Any = None, layout: Any = "contiguous") -> None:
         self.comm, self.layout = comm, layout
         self.caches: dict = {}
+        self.plans: dict = {}
         self.decoding = False
 
     def keep(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -199,6 +203,7 @@ class Generation:
         from ..inference import KVCache
         from .tensors import to_array
 
+        self.plans.pop(layer, None)  # (a plan attends the cache it was made on)
         self.caches[layer] = KVCache.from_shards(to_array(key.detach().contiguous().clone()),
                                                  to_array(value.detach().contiguous().clone()),
                                                  self.comm, layout=self.layout)
@@ -211,10 +216,14 @@ class Generation:
 
         cache = self.caches[layer]
         cache.append(to_array(key.detach().contiguous()), to_array(value.detach().contiguous()))
-        sinks = scores.pop("sinks")
-        if sinks is not None:
-            sinks = to_array(sinks.detach().to(torch.float64).contiguous())
-        out, _ = cache.attend(to_array(query.detach().contiguous()), sinks=sinks, **scores)
+        q = to_array(query.detach().contiguous())
+        plan = self.plans.get(layer)
+        if plan is None or plan.shape != tuple(q.shape) or plan.dtype != q.dtype:
+            sinks = scores.pop("sinks")
+            if sinks is not None:
+                sinks = to_array(sinks.detach().to(torch.float64).contiguous())
+            plan = self.plans[layer] = cache.plan_attend(q, sinks=sinks, **scores)
+        out, _ = plan(q)
         return to_tensor(out)
 
 

@@ -256,3 +256,75 @@ def test_decode_with_an_attn_mask(comm, kind):
     np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="whole cache"):
         cache.attend(Q[:, :, -t:], attn_mask=mask[..., :-1])
+
+
+# ------------------------------------------------------------------ planned decode steps
+def test_a_planned_decode_loop_is_the_last_rows_of_full_attention(comm, xp):
+    """KVCache.plan_attend once, then append + step: each step against the float64 reference of
+    the whole sequence, and bitwise the one-shot attend of the same step (the plan follows the
+    cache's length)."""
+    Q, K, V = _seq(13, H=4, Hkv=2, L=31)
+    n0, window = 20, (6, 0)
+    cache = mpiattn.KVCache.from_shards(xp.asarray(mpiattn.shard(K[:, :, :n0])),
+                                        xp.asarray(mpiattn.shard(V[:, :, :n0])), page=2)
+    ref = reference(Q, K, V, causal=True, window=window)
+    cache.append(xp.asarray(K[:, :, n0:n0 + 1]), xp.asarray(V[:, :, n0:n0 + 1]))
+    plan = cache.plan_attend(xp.asarray(Q[:, :, n0:n0 + 1]), window=window)
+    assert plan.shape == (2, 4, 1, 8) and plan.engine == "native"
+    for pos in range(n0 + 1, 31 + 1):
+        if pos > n0 + 1:
+            cache.append(xp.asarray(K[:, :, pos - 1:pos]), xp.asarray(V[:, :, pos - 1:pos]))
+        q = xp.asarray(Q[:, :, pos - 1:pos])
+        got = plan(q)
+        _check(got, (ref.out[:, :, pos - 1:pos], ref.lse[:, :, pos - 1:pos]), "float64")
+        once = cache.attend(q, window=window)
+        for a, b in zip(got, once):
+            assert host(a).tobytes() == host(b).tobytes()
+        _same_bits_everywhere(comm, *got)
+
+
+def test_a_planned_decode_keeps_its_modifiers_and_takes_each_steps_mask(comm):
+    """Sinks, softcap and ALiBi agreed once; an attn_mask given per step (spanning the cache
+    then): the plan's steps equal the one-shot attend's bitwise."""
+    rng = np.random.default_rng(21)
+    B, H, Hkv, L, E = 1, 4, 2, 26, 8
+    Q, K, V = (rng.standard_normal((B, h, L, E)) for h in (H, Hkv, Hkv))
+    slopes, sinks = rng.uniform(0.1, 0.5, H), rng.standard_normal(H)
+    n0 = 22
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :n0]), mpiattn.shard(V[:, :, :n0]),
+                                        page=3)
+    mods = dict(softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+    masks = {p: rng.random((1, 1, 1, p)) < 0.7 for p in range(n0, L + 1)}
+    plan = cache.plan_attend(Q[:, :, n0 - 1:n0], attn_mask=masks[n0], **mods)
+    for pos in range(n0, L + 1):
+        if pos > n0:
+            cache.append(K[:, :, pos - 1:pos], V[:, :, pos - 1:pos])
+        got = plan(Q[:, :, pos - 1:pos], attn_mask=masks[pos])
+        once = cache.attend(Q[:, :, pos - 1:pos], attn_mask=masks[pos], **mods)
+        for a, b in zip(got, once):
+            assert a.tobytes() == b.tobytes()
+    assert "spanning the cache" in _errors(comm, lambda: plan(Q[:, :, -1:], attn_mask=masks[n0]))
+    assert "exactly when" in _errors(comm, lambda: plan(Q[:, :, -1:]))
+
+
+def test_a_decode_plan_refuses_other_queries_on_every_rank(comm):
+    Q, K, V = _seq(17, L=20)
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
+    plan = cache.plan_attend(Q[:, :, -1:])
+    assert "make another plan" in _errors(comm, lambda: plan(Q[:, :, -2:]))
+    assert "make another plan" in _errors(comm, lambda: plan(Q[:, :, -1:].astype(np.float32)))
+    bad = Q[:, :, -1:].copy()
+    bad[0, 0, 0, 0] = np.nan
+    assert "NaN or Inf" in _errors(comm, lambda: plan(bad))
+    if comm.size > 1:
+        q = Q[:, :, -1:] + (comm.rank == comm.size - 1) * 1e-3
+        assert "ranks disagree on the queries" in _errors(comm, lambda: plan(q))
+        if comm.rank == 0:  # one rank's queries of another shape: every rank fails alike
+            q = Q[:, :, -2:]
+        else:
+            q = Q[:, :, -1:]
+        assert "make another plan" in _errors(comm, lambda: plan(q))
+    out, lse = plan(Q[:, :, -1:])  # the plan still works after refusals
+    ref = reference(Q, K, V, causal=True)
+    _check((out, lse), (ref.out[:, :, -1:], ref.lse[:, :, -1:]), "float64")
+    assert "engine" in _errors(comm, lambda: cache.plan_attend(Q[:, :, -1:], engine="nope"))

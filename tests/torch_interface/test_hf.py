@@ -171,15 +171,21 @@ def test_a_left_padded_batch_entry_attends_its_tokens_only(comm):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
-def test_greedy_generation_equals_the_single_process_model(comm, family):
+def test_greedy_generation_equals_the_single_process_model(comm, family, monkeypatch):
     """The prompt sharded, each new token against the sharded caches (windows, softcap, sinks):
-    the tokens of a single-process greedy loop."""
+    the tokens of a single-process greedy loop; each layer's steps planned once."""
+    from mpiattn.inference import KVCache
+
     layout = "zigzag"
     hf.register(layout=layout)
     ref, sharded = _models(family, torch.float64)
     ref.eval(), sharded.eval()
     ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(8))
+    planned, real = [], KVCache.plan_attend
+    monkeypatch.setattr(KVCache, "plan_attend", lambda self, *a, **kw: planned.append(1) or real(self, *a, **kw))
+    monkeypatch.setattr(KVCache, "attend", None)  # (no one-shot step)
     got = hf.generate(sharded, ids, 6, layout=layout)
+    assert len(planned) == sharded.config.num_hidden_layers
     seq = ids
     with torch.no_grad():
         for _ in range(6):
