@@ -325,3 +325,26 @@ def torch_reference(Q, K, V, dO, vis, *, scale=None, softcap=None, bias=None, si
     xm = x.detach().masked_fill(~vis_t, float("-inf")).amax(dim=(0, 2, 3)).numpy()
     return (out.detach().numpy(), lse.detach().numpy(), q.grad.numpy(), k.grad.numpy(),
             v.grad.numpy(), None if sk is None else sk.grad.numpy(), xm)
+
+
+#: Every registered strategy name (``hybrid`` picks its split by the model): the strategy lists of
+#: the attention and mask tests; the contract suite adds every split (``registry.variants``).
+def registered_strategies():
+    from mpiattn.strategies import registry
+    return list(registry.STRATEGIES)
+
+
+def strategy_refusal(strategy, comm, H, Hkv, N=16, M=None):
+    """Why the registered ``strategy`` refuses a call of ``H`` query and ``Hkv`` key/value heads
+    on ``comm`` (its own ``supports``: e.g. ulysses needs both divisible by ``P``), or None."""
+    from mpiattn.comm import get_comm
+    from mpiattn.strategies import AttentionSpec, Options, registry
+    q, kv = (1, H, N, 8), (1, Hkv, N if M is None else M, 8)
+    spec = AttentionSpec.from_shapes(q, kv, kv, np.float64, Options())
+    return registry.get(strategy).supports(spec, get_comm(comm).topology)
+
+
+def strategy_runs_engines(strategy):
+    """Whether ``strategy`` runs an engine (materialized runs the products instead)."""
+    from mpiattn.strategies import registry
+    return registry.get(strategy).uses_engine

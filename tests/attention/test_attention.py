@@ -12,9 +12,10 @@ import pytest
 import mpiattn
 from mpiattn.kernels import native
 
-from helpers import dense_attention, host
+from helpers import (dense_attention, host, registered_strategies, strategy_refusal,
+                     strategy_runs_engines)
 
-STRATS = ["ring", "allgather", "ulysses", "materialized"]
+STRATS = registered_strategies()
 TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 4e-3}
 
 
@@ -59,10 +60,6 @@ def run(xp, Q, K, V, dO, mask, layout, **kw):
     return g(out), g(lse, -1), g(dq), g(dk), g(dv)
 
 
-def usable(strategy, comm, H, Hkv):
-    return not (strategy == "ulysses" and (H % comm.size or Hkv % comm.size))
-
-
 ENGINES = ["native", "torch"]
 
 
@@ -70,8 +67,8 @@ def engine_or_skip(engine, strategy, dtype=np.float64, xp=np):
     """Skip (with the reason) where the engine does not apply or cannot run here."""
     if engine == "native":
         return
-    if strategy == "materialized":
-        pytest.skip("the materialized strategy runs the products, not an engine")
+    if not strategy_runs_engines(strategy):
+        pytest.skip(f"the {strategy} strategy runs the products, not an engine")
     from mpiattn.kernels import engines
     from mpiattn.strategies import AttentionSpec, Options
     spec = AttentionSpec.from_shapes((1, 1, 8, 8), (1, 1, 8, 8), (1, 1, 8, 8), dtype,
@@ -110,8 +107,8 @@ def check_all(res, ref, tol):
 def test_float64_matrix(comm, xp, strategy, layout, causal, padding, engine):
     """Every strategy x layout x causal x padding x engine, GQA, N != M, lengths not divisible by P or 2P."""
     B, H, Hkv, N, M, E, Ev = 2, 4, 2, 23, 19, 8, 6
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs heads divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     engine_or_skip(engine, strategy, np.float64, xp)
     Q, K, V, dO, mask = make_case(1, B, H, Hkv, N, M, E, Ev, np.float64, padding)
     res = run(xp, Q, K, V, dO, mask, layout, causal=causal, strategy=strategy, block_size=4,
@@ -129,8 +126,8 @@ def test_float64_matrix(comm, xp, strategy, layout, causal, padding, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_low_precision(comm, xp, dtype, strategy, layout, engine):
     B, H, Hkv, N, M, E, Ev = 1, 4, 4, 30, 30, 16, 16
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs heads divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     engine_or_skip(engine, strategy, dtype, xp)
     Q, K, V, dO, mask = make_case(2, B, H, Hkv, N, M, E, Ev, dtype, "random")
     res = run(xp, Q, K, V, dO, mask, layout, causal=True, strategy=strategy, block_size=8,
@@ -159,7 +156,7 @@ def test_strategies_agree_and_repeat_bitwise(comm, xp):
     Q, K, V, dO, mask = make_case(5, 1, 4, 2, 26, 26, 8, 8, np.float64, "random")
     results = {}
     for strategy in STRATS:
-        if usable(strategy, comm, 4, 2):
+        if strategy_refusal(strategy, comm, 4, 2) is None:
             results[strategy] = run(xp, Q, K, V, dO, mask, "zigzag", causal=True, strategy=strategy, block_size=5)
     base = results.pop("ring")
     for name, res in results.items():
@@ -178,8 +175,8 @@ def test_strategies_agree_and_repeat_bitwise(comm, xp):
 def test_gradients_by_finite_differences(comm, xp, strategy, engine):
     """d/dx of L = sum(W * out) for a few entries of q, k, v, by central differences."""
     B, H, Hkv, N, M, E, Ev = 1, 2, 2, 7, 6, 3, 2
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs heads divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     engine_or_skip(engine, strategy, np.float64, xp)
     Q, K, V, W, mask = make_case(6, B, H, Hkv, N, M, E, Ev, np.float64, "random")
     mask[:, 0] = False

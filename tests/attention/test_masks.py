@@ -13,9 +13,9 @@ from mpiattn.comm.ring import row_pieces
 from mpiattn.kernels import native
 from mpiattn.layouts import all_segments, positions
 
-from helpers import dense_attention, host, visible_matrix
+from helpers import dense_attention, host, registered_strategies, strategy_refusal, visible_matrix
 
-STRATS = ["ring", "allgather", "ulysses", "materialized"]
+STRATS = registered_strategies()
 
 
 # ------------------------------------------------------------------ reference
@@ -98,10 +98,6 @@ def check(got, want, tol=1e-10):
         np.testing.assert_allclose(g[fin], w[fin], rtol=tol, atol=tol, err_msg=name)
 
 
-def usable(strategy, comm, H, Hkv):
-    return not (strategy == "ulysses" and (H % comm.size or Hkv % comm.size))
-
-
 MASKS = {
     "window-causal": dict(causal=True, window=(3, 0)),
     "window-0-0": dict(window=(0, 0)),
@@ -129,8 +125,8 @@ def mask_args(name, B, N, seed=0):
 def test_matches_dense_reference(comm, xp, strategy, layout, mask):
     P = comm.size
     B, H, Hkv, N = 2, 2 * P, P, 23
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs H, Hkv divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     if layout == "balanced-tiles" and strategy != "ring":
         pytest.skip("the tile-aligned balance is checked with the ring, whose tiles it aligns")
     Q, K, V, dO = case(3, B, H, Hkv, N)
@@ -147,8 +143,8 @@ def test_cross_attention_with_separate_ids(comm, xp, strategy, layouts):
     """N != M, queries and keys in different layouts, their own document ids, GQA."""
     P = comm.size
     B, H, Hkv, N, M = 2, 2 * P, P, 19, 26
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs H, Hkv divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     Q, K, V, dO = case(5, B, H, Hkv, N, M)
     rng = np.random.default_rng(6)
     seg_q, seg_k = rng.integers(-2, 3, (B, N)), rng.integers(-2, 3, (B, M))
@@ -170,8 +166,8 @@ def test_fully_masked_rows(comm, xp, strategy):
     """Rows that see no key (window + documents + padding): out 0, lse -inf, zero gradients."""
     P = comm.size
     B, H, Hkv, N = 1, P, P, 17
-    if not usable(strategy, comm, H, Hkv):
-        pytest.skip("ulysses needs H, Hkv divisible by P")
+    if (why := strategy_refusal(strategy, comm, H, Hkv)) is not None:
+        pytest.skip(why)
     Q, K, V, dO = case(8, B, H, Hkv, N)
     seg = np.repeat(np.arange(N // 2 + 1), 2)[None, :N]  # documents of 2 rows
     pad = np.zeros((B, N), dtype=bool)
