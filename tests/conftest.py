@@ -7,6 +7,11 @@
   used by tests that launch ``mpiexec`` themselves.
 * ``shared_dir``: one temporary directory, the same path on every rank,
   removed after the test.
+
+A test that takes no communicator (neither ``comm`` nor ``shared_dir``, directly or through
+its fixtures) computes the same on every rank count, so it runs in the single-process
+session only: under several ranks it is skipped (``pytest_collection_modifyitems``). A
+test that communicates, through the library's default communicator too, takes ``comm``.
 """
 
 import os
@@ -61,3 +66,17 @@ def shared_dir(comm):
     comm.barrier()
     if comm.rank == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+#: The fixtures that make a test one of several ranks (it runs at every rank count).
+_COMMUNICATES = {"comm", "shared_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under several ranks, skip the tests that take no communicator (see the module docstring)."""
+    if _WORLD.Get_size() == 1:
+        return
+    once = pytest.mark.skip(reason="takes no communicator: runs in the single-process session")
+    for item in items:
+        if not _COMMUNICATES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(once)

@@ -464,7 +464,7 @@ def test_multihead_attention_takes_the_mask_keywords(comm, xp):
 
 # ------------------------------------------------------------------ the CuPy path (on a fake device)
 @pytest.mark.parametrize("strategy", STRATS)
-def test_masks_on_a_fake_device(monkeypatch, strategy):
+def test_masks_on_a_fake_device(comm, monkeypatch, strategy):
     """Window + documents + padding with "device" arrays (tests/fake_cupy.py) equal the dense reference.
 
     Ids are given as NumPy for the queries and on the device for the keys; the

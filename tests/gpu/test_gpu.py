@@ -47,12 +47,13 @@ def fake(monkeypatch):
 
 
 @pytest.fixture
-def fresh_comm():
+def fresh_comm(comm):
+    """A fresh Comm on every rank (``comm``: the test communicates, at every rank count)."""
     yield from _fresh_comm()
 
 
 @pytest.fixture
-def fake_comm(fake):
+def fake_comm(comm, fake):
     """A fresh Comm whose transport (if any) is closed before the fake CuPy goes."""
     yield from _fresh_comm()
 

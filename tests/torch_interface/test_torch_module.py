@@ -124,7 +124,7 @@ def test_same_output_as_the_numpy_layer(comm):
     np.testing.assert_allclose(a.in_proj_bias.grad.numpy()[:8], b.grads["bq"], rtol=1e-10, atol=1e-12)
 
 
-def test_arguments_without_a_counterpart_are_refused():
+def test_arguments_without_a_counterpart_are_refused(comm):
     with pytest.raises(ValueError, match="dropout"):
         mt.MultiheadAttention(8, 2, dropout=0.1)
     with pytest.raises(ValueError, match="add_bias_kv"):
