@@ -167,7 +167,13 @@ def _eps(dt):
 
 
 @functools.lru_cache(maxsize=1)
-def _data(case):
+def _data(case, comm):
+    """The case's global arrays, its reference, its baseline and :func:`_allowances` (computed
+    once per case, by rank 0, and broadcast: every rank runs the cases in one order)."""
+    return comm.bcast_obj(_compute(case) if comm.rank == 0 else None)
+
+
+def _compute(case):
     rng = np.random.default_rng(case.seed)
     dt = _dtype(case.dtype)
     Q = rng.standard_normal((case.B, case.H, case.N, case.E)).astype(dt)
@@ -187,7 +193,8 @@ def _data(case):
     else:
         ref = dense_attention(Q, K, V, vis[:, None], None, dO)
     base = _baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks)
-    return Q, K, V, dO, seg, pad, vis, ref, base, sinks
+    extra = _allowances(Q, K, V, dO, vis[:, None], ref[1], case.softcap, sinks)
+    return Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra
 
 
 def _baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None):
@@ -309,7 +316,7 @@ def _allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None):
     return out
 
 
-def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0, sinks=None):
+def _check(case, got, ref, base, extra, hops=0, sinks=None):
     """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
     largest magnitude (``lse``, ``D``: :func:`_allowances`); ``hops`` more steps of the
     accumulation dtype for ``dk``, ``dv`` and ``dsinks`` (summed on that many more ranks), and
@@ -321,7 +328,6 @@ def _check(case, got, ref, base, Q, K, V, dO, vis, hops=0, sinks=None):
     out, lse, dq, dk, dv = got[:5]
     r_out, r_lse, r_dq, r_dk, r_dv = ref[:5]
     b_out, b_lse, b_dq, b_dk, b_dv = (np.asarray(x, dtype=np.float64) for x in base[:5])
-    extra = _allowances(Q, K, V, dO, vis, r_lse, case.softcap, sinks)
     # Blocked sums: each key block's part of dq, each query block's and (GQA) each query head's
     # part of dk and dv, is rounded once in the accumulation dtype before it is added (the plain
     # baseline sums in one kernel); one step of each beyond the first
@@ -388,7 +394,7 @@ def test_contract(comm, xp, strategy, engine, case):
     why = _skip_reason(comm, strategy, engine, case, spec)  # before the data: most runs skip
     if why is not None:
         pytest.skip(why)
-    Q, K, V, dO, seg, pad, vis, ref, base, sinks = _data(case)
+    Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra = _data(case, comm)
     lay, kv_lay = _layouts(case, P, seg)
     options = Options.of(options, layout=lay, kv_layout=kv_lay)
     kl = lay if kv_lay is None else kv_lay
@@ -408,7 +414,7 @@ def test_contract(comm, xp, strategy, engine, case):
     gk = lambda x: host(mpiattn.gather(x, layout=kl, root=None))  # noqa: E731
     got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]), *map(host, grads[3:]))
     assert len(got) == (6 if case.sinks else 5)
-    _check(case, got, ref, base, Q, K, V, dO, vis[:, None], hops=P - 1, sinks=sinks)
+    _check(case, got, ref, base, extra, hops=P - 1, sinks=sinks)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
