@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI lane "torch_versions": the torch engine, mpiattn.torch and the transformers adapter on the
 # oldest and the newest torch the `torch` extra admits (pyproject.toml: torch>=2.11,<2.16), each
-# in a venv of its own (.ci/.venv-torch-<version>, pip's MPICH, transformers from the hf extra).
+# in a venv of its own (.ci/.venv-torch-<version>, pip's MPICH), the oldest torch beside the
+# oldest transformers the `hf` extra admits (transformers>=5.23), the newest beside the newest.
 # The main suite runs on the torch the CI pins for it (.ci/main-constraints.txt); here:
 #   * the op schemas the torch engine was written for (mpiattn.kernels.torch_ops.available);
 #   * at 1 and 2 ranks: tests/torch_interface (autograd, modules, the hf adapter on tiny Llama,
@@ -20,6 +21,7 @@ cd "$(dirname "$0")/../.." || exit 1
 lane_init torch_versions
 
 VERSIONS=(2.11.0 2.15.0)   # the extra's oldest and newest release
+declare -A TRANSFORMERS=([2.11.0]="transformers==5.23.0" [2.15.0]="transformers>=5.23,<6")
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 PY_COLORS=0
 TESTS=(tests/torch_interface tests/attention/test_engines.py tests/attention/test_contract.py
        tests/attention/test_modifiers.py)
@@ -34,9 +36,13 @@ for version in "${VERSIONS[@]}"; do
     PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile "torch==$version" \
         || verdict SKIP "pip could not install torch $version"
     PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile -e ".[mpich,test,hf]" "torch==$version" \
+        "${TRANSFORMERS[$version]}" \
         || verdict FAIL "pip install -e .[mpich,test,hf] with torch $version failed"
     got=$("$py" -c "import torch; print(torch.__version__)") || verdict FAIL "torch $version does not import"
     [[ $got == "$version"* ]] || verdict FAIL "torch $version asked for, $got installed"
+    hf=$("$py" -c "import transformers; print(transformers.__version__)") \
+        || verdict FAIL "transformers does not import beside torch $got"
+    echo "torch $got with transformers $hf"
     why=$("$py" -c "from mpiattn.kernels import torch_ops; print(torch_ops.available() or 'ok')")
     echo "torch $got: the engine's op schemas: $why"
     [[ $why == ok ]] || verdict FAIL "torch $got: $why"
