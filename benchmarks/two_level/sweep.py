@@ -44,7 +44,7 @@ class HierarchicalAllgather(Strategy):
         return [p for p in (gather, exchange, spread) if p.inside or p.between]
 
     def memory(self, spec, P, block, backward):
-        return blocked_memory(spec, P, block, backward, rounds=P)
+        return blocked_memory(spec, P, block, backward, circulation="gather")
 
 
 class PrefetchDoubleRing(DoubleRing):

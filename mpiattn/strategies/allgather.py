@@ -71,7 +71,7 @@ class Allgather(BlockedStrategy):
         return phases
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
-        return blocked_memory(spec, P, block, backward, rounds=P)
+        return blocked_memory(spec, P, block, backward, circulation="gather")
 
     def blocks(self, c: Any, pb: Any, k: Any, v: Any, mask: Any, grads: Sequence[Any] = ()) -> tuple:
         return _blocks(c, pb, k, v, mask, grads)

@@ -34,7 +34,7 @@ import numpy as np
 from ..kernels import engines
 from ..layouts import all_segments, positions
 
-__all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "ring_phase",
+__all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "heads_memory", "ring_phase",
            "spread_phase", "layout_share", "sends_out", "mask_bytes"]
 
 Progress = Callable[[int, int], None] | None
@@ -205,23 +205,36 @@ class Strategy:
 
 
 def blocked_memory(spec: Any, P: int, block: int, backward: bool, *, heads: int = 1,
-                   whole: bool = False, rounds: int = 1, moved: int = 0) -> int:
+                   span: int = 1, circulation: str = "ring", moved: int = 0,
+                   moved_backward: int | None = None, exchange: bool = False) -> int:
     """Peak bytes per rank of a strategy feeding the native engine blocks (a model).
 
-    Counts the inputs and outputs of this rank, the folded queries and the
-    running accumulators (one accumulation word per query row and head),
-    one score tile, and the key/value pieces in flight.
+    Counts, per rank: the inputs (and, for the backward, ``out``, ``lse``, ``dout``), the
+    engine's state (folded queries and running accumulators, one accumulation word per query
+    row and head), one score tile, the key/value copies the strategy holds while the blocks
+    run, and what is made at the end (the output; re-laid-out copies of it). Read off
+    ``tracemalloc`` at the busiest block of every strategy (``benchmarks/memory_model``):
+    the ring copies its own key/value rows as it sends them and frees them before the output
+    is made; all-gather keeps its last round's blocks until then.
 
     Parameters
     ----------
     heads : int
-        The heads are split this many ways (ulysses: ``P``).
-    whole : bool
-        The engine sees the whole sequence (ulysses) rather than ``n`` rows.
-    rounds : int
-        Blocks gathered at once per rank (allgather: ``P``).
+        The heads are split this many ways (ulysses: ``P``; a hybrid split: its ``U``).
+    span : int
+        The engine sees the rows of this many ranks (ulysses: ``P``, the whole sequence; a
+        hybrid split: ``U``, its group's rows) rather than ``n``.
+    circulation : {"ring", "gather", "none"}
+        How key/value blocks reach the rank: passed along a ring (its own rows copied as they
+        are sent, two pieces received ahead; the backward's key/value gradients travelling
+        with them), gathered in rounds of ``P`` pieces (the next round's arriving meanwhile;
+        also the ring at ``P = 1``, which sends nothing), or not at all (already local).
     moved : int
-        Bytes of re-laid-out copies (ulysses' head-sharded arrays).
+        Bytes of re-laid-out copies held through the forward (ulysses' head-sharded arrays).
+    moved_backward : int, optional
+        The same for the backward (default ``moved``).
+    exchange : bool
+        The output is re-laid out at the end (a send and a receive buffer of its size).
     """
     B, H, Hkv, E, Ev = spec.B, spec.H, spec.Hkv, spec.E, spec.Ev
     s, a = spec.itemsize, np.dtype(spec.acc_dtype).itemsize
@@ -232,17 +245,48 @@ def blocked_memory(spec: Any, P: int, block: int, backward: bool, *, heads: int 
     inputs = s * (n * q_row + m * kv_row)
     out_lse = s * n * o_row + a * B * H * n
     dout = s * n * o_row
-    n_loc, m_loc = (spec.N, spec.M) if whole else (n, m)
+    n_loc, m_loc = min(spec.N, n * span), min(spec.M, m * span)
     Tq, Tk = min(block, max(n_loc, 1)), min(block, max(m_loc, 1))
     BK = max(1, B * Hkv // heads)
     tile_f = a * BK * (Tq * G * (Tk + Ev + 8) + Tk * (E + Ev))
     tile_b = a * BK * (Tq * G * (2 * Tk + E + 4) + 2 * Tk * (E + Ev))
-    pieces_f = 3 * rounds * Tk * kv_row * s
-    pieces_b = pieces_f + 3 * rounds * Tk * kv_row * a
+    piece = Tk * kv_row // heads
+    if P == 1 and circulation == "ring":  # nothing is sent: the blocks are read off the shard
+        circulation = "gather"
+    if circulation == "ring":
+        pieces_f, held = s * (m * kv_row + 2 * piece), False
+        pieces_b = (s + a) * (m * kv_row + 2 * piece)
+    elif circulation == "gather":  # a round of P pieces, the next round's P - 1 arriving
+        pieces_f, held = s * (2 * P - 1) * piece, True
+        pieces_b = (s + a) * (2 * P - 1) * piece
+    else:
+        pieces_f = pieces_b = 0
+        held = False
     rows = a * n_loc * B * H // heads
-    fwd = inputs + moved + rows * (E + 2 * Ev + 3) + cast * s * n * o_row + tile_f + pieces_f
+    state_f = inputs + moved + rows * (E + Ev + 3) + cast * s * n * o_row + tile_f
+    end = s * n * o_row * (3 if exchange else 1) + (pieces_f if held else 0)
+    fwd = max(state_f + pieces_f, state_f + end)
     if not backward:
         return int(fwd)
-    bwd = (inputs + out_lse + dout + moved + rows * (2 * E + Ev + 2) + a * m_loc * kv_row // heads
+    moved_b = moved if moved_backward is None else moved_backward
+    bwd = (inputs + out_lse + dout + moved_b + rows * (2 * E + Ev + 2) + a * m_loc * kv_row // heads
            + cast * s * (n * q_row + m * kv_row) + tile_b + pieces_b)
     return int(max(fwd, bwd))
+
+
+def heads_memory(spec: Any, P: int, block: int, backward: bool, u: int, *,
+                 circulation: str = "ring") -> int:
+    """:func:`blocked_memory` of a strategy that re-lays the sequence out by heads over ``u``
+    ranks (ulysses: ``u = P``; a hybrid split ``U x R``: ``u = U``).
+
+    The forward holds head-sharded copies of ``q``, ``k``, ``v`` (and of the ``attn_mask``
+    rows) and re-lays the output out at the end; the backward holds those of ``q``, ``out``
+    (its statistics), ``dout``, ``k``, ``v`` and of the gradients (twice the forward's).
+    """
+    B, itemsize = spec.B, spec.itemsize
+    qkv = itemsize * B * (spec.N * spec.H * spec.E + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+    all4 = itemsize * B * (spec.N * spec.H * (spec.E + spec.Ev)
+                           + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
+    mask = int(mask_bytes(spec, spec.N * u / P)) // u
+    return blocked_memory(spec, P, block, backward, heads=u, span=u, circulation=circulation,
+                          moved=qkv + mask, moved_backward=2 * all4 + mask, exchange=True)

@@ -27,7 +27,7 @@ from .. import backend
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
 from ..masks.ids import global_rows
-from .base import Phase, Strategy, blocked_memory, mask_bytes, sends_out, spread_phase
+from .base import Phase, Strategy, heads_memory, mask_bytes, sends_out, spread_phase
 from .blocked import KeyBlock, run_backward, run_forward
 
 __all__ = ["Ulysses"]
@@ -132,10 +132,7 @@ class Ulysses(Strategy):
         return 1.0 / topology.P
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
-        moved = 2 * spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
-                                              + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
-        moved += int(mask_bytes(spec, spec.N)) // P
-        return blocked_memory(spec, P, block, backward, heads=P, whole=True, moved=moved)
+        return heads_memory(spec, P, block, backward, P, circulation="none")
 
     def forward(self, c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
                 progress: Any) -> tuple[Any, Any]:
