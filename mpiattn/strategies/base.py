@@ -34,8 +34,8 @@ import numpy as np
 from ..kernels import engines
 from ..layouts import all_segments, positions
 
-__all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "heads_memory", "ring_phase",
-           "spread_phase", "layout_share", "sends_out", "mask_bytes"]
+__all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "heads_memory",
+           "relaid_bytes", "ring_phase", "spread_phase", "layout_share", "sends_out", "mask_bytes"]
 
 Progress = Callable[[int, int], None] | None
 
@@ -254,17 +254,17 @@ def blocked_memory(spec: Any, P: int, block: int, backward: bool, *, heads: int 
     if P == 1 and circulation == "ring":  # nothing is sent: the blocks are read off the shard
         circulation = "gather"
     if circulation == "ring":
-        pieces_f, held = s * (m * kv_row + 2 * piece), False
+        pieces_f = s * (m * kv_row + 2 * piece)
         pieces_b = (s + a) * (m * kv_row + 2 * piece)
     elif circulation == "gather":  # a round of P pieces, the next round's P - 1 arriving
-        pieces_f, held = s * (2 * P - 1) * piece, True
+        pieces_f = s * (2 * P - 1) * piece
         pieces_b = (s + a) * (2 * P - 1) * piece
     else:
         pieces_f = pieces_b = 0
-        held = False
     rows = a * n_loc * B * H // heads
     state_f = inputs + moved + rows * (E + Ev + 3) + cast * s * n * o_row + tile_f
-    end = s * n * o_row * (3 if exchange else 1) + (pieces_f if held else 0)
+    # the gathered blocks are still held when the output is made; the ring's are freed by then
+    end = s * n * o_row * (3 if exchange else 1) + (pieces_f if circulation == "gather" else 0)
     fwd = max(state_f + pieces_f, state_f + end)
     if not backward:
         return int(fwd)
@@ -283,10 +283,15 @@ def heads_memory(spec: Any, P: int, block: int, backward: bool, u: int, *,
     rows) and re-lays the output out at the end; the backward holds those of ``q``, ``out``
     (its statistics), ``dout``, ``k``, ``v`` and of the gradients (twice the forward's).
     """
-    B, itemsize = spec.B, spec.itemsize
-    qkv = itemsize * B * (spec.N * spec.H * spec.E + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
-    all4 = itemsize * B * (spec.N * spec.H * (spec.E + spec.Ev)
-                           + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
     mask = int(mask_bytes(spec, spec.N * u / P)) // u
     return blocked_memory(spec, P, block, backward, heads=u, span=u, circulation=circulation,
-                          moved=qkv + mask, moved_backward=2 * all4 + mask, exchange=True)
+                          moved=relaid_bytes(spec, P, out=False) + mask,
+                          moved_backward=2 * relaid_bytes(spec, P, out=True) + mask, exchange=True)
+
+
+def relaid_bytes(spec: Any, P: int, *, out: bool) -> int:
+    """Bytes of one rank's share (``1/P``) of ``q``, ``k``, ``v`` (and, with ``out``, of the
+    output): what one re-laid-out copy of them holds."""
+    q_width = spec.E + (spec.Ev if out else 0)
+    return spec.itemsize * spec.B * (spec.N * spec.H * q_width
+                                     + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P

@@ -38,7 +38,8 @@ from typing import Any
 from .. import backend
 from ..comm.device import configure
 from ..layouts import Layout, all_segments, local_lengths
-from .base import Phase, Strategy, blocked_memory, heads_memory, mask_bytes, ring_phase, sends_out, spread_phase
+from .base import (Phase, Strategy, blocked_memory, heads_memory, mask_bytes, relaid_bytes,
+                   ring_phase, sends_out, spread_phase)
 from .heads import to_heads, to_rows
 from .ring import Ring
 
@@ -174,9 +175,7 @@ class Hybrid(Strategy):
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         if self.u is None or self.u == 1:  # a ring over copies of q, out, k, v made by the split
-            moved = spec.itemsize * spec.B * (spec.N * spec.H * (spec.E + spec.Ev)
-                                              + spec.M * spec.Hkv * (spec.E + spec.Ev)) // P
-            return blocked_memory(spec, P, block, backward, moved=moved)
+            return blocked_memory(spec, P, block, backward, moved=relaid_bytes(spec, P, out=True))
         return heads_memory(spec, P, block, backward, self.u,
                             circulation="ring" if self.r > 1 else "none")
 

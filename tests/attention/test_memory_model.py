@@ -21,10 +21,9 @@ H, E = 4, 64
 ROWS_PER_RANK = 1024  # at least 2 key tiles per rank: the tiles do not dominate the shards
 
 
-def _peak(comm, name, backward):
+def _peak(comm, name, N, backward):
     """This rank's peak traced bytes of one call, and what the call used (``details``)."""
     P, rank = comm.size, comm.rank
-    N = ROWS_PER_RANK * P
     rng = np.random.default_rng(rank)
     options = Options(strategy=name)
     used = {}
@@ -49,8 +48,8 @@ def test_the_memory_model_predicts_the_peak_within_25_percent(comm, name, backwa
     if why:
         pytest.skip(why)
     P = comm.size
-    peak, used = _peak(comm, name, backward)
     N = ROWS_PER_RANK * P
+    peak, used = _peak(comm, name, N, backward)
     shape = (1, H, N, E)
     spec = AttentionSpec.from_shapes(shape, shape, shape, np.float32, Options(strategy=name))
     model = registry.get(used["strategy"]).memory(spec, P, used["block_size"], backward)
