@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,6 +70,22 @@ def main() -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     total = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     bad = []
+    # data the sessions share (the contract suite's references: the same at every rank count)
+    cache = tempfile.mkdtemp(prefix="mpiattn-test-cache-")
+    env["MPIATTN_TEST_CACHE_DIR"] = cache
+    try:
+        _sessions(args, extra, env, total, bad)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    failed = total["failed"] + total["error"]
+    print(f"{total['passed']} passed, {failed} failed, {total['skipped']} skipped")
+    if bad:
+        print(f"runs that failed: {', '.join(f'{p} ranks' for p in bad)}")
+    return 1 if (bad or failed) else 0
+
+
+def _sessions(args, extra, env, total, bad):
+    """One pytest session per rank count, each summed into ``total``; failed ones into ``bad``."""
     for p in [int(x) for x in args.ranks.split(",")]:
         logdir = os.path.join(HERE, ".ranklogs", str(p))
         shutil.rmtree(logdir, ignore_errors=True)
@@ -102,11 +119,6 @@ def main() -> int:
         for key in total:
             total[key] += counts[key]
         print(f"=== {p} rank(s) done in {time.time() - t0:.0f} s, exit code {rc}", flush=True)
-    failed = total["failed"] + total["error"]
-    print(f"{total['passed']} passed, {failed} failed, {total['skipped']} skipped")
-    if bad:
-        print(f"runs that failed: {', '.join(f'{p} ranks' for p in bad)}")
-    return 1 if (bad or failed) else 0
 
 
 if __name__ == "__main__":

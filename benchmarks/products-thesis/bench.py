@@ -22,6 +22,10 @@ Every repeat times, in this order and with barriers between them:
     of the work (no communication): what the machine gives P concurrent
     GEMMs, the ceiling of any distributed product on it.
 
+Each call makes its output anew (the first touch of its pages is timed, as a single call
+pays it), or, with ``--reuse-output``, writes into the output its warm-up call made
+(``out=``, for ``numpy.matmul`` too): the steady state of a loop.
+
 Reported: ``dist / numpy`` (P = 1; 1.0 = no overhead) and the fraction of
 ideal ``(numpy / P) / dist`` (P > 1), each as the median and the range over
 the repeats (each ratio from the same repeat), and ``(numpy / P) / local``
@@ -101,7 +105,8 @@ def timed(comm: MPI.Intracomm, fn) -> float:
     return comm.allreduce(dt, op=MPI.MAX)
 
 
-def run_op(comm: MPI.Intracomm, op: str, T: int, d: int, repeat: int, block: int | None) -> dict:
+def run_op(comm: MPI.Intracomm, op: str, T: int, d: int, repeat: int, block: int | None,
+           reuse: bool = False) -> dict:
     P, rank = comm.size, comm.rank
     (sa, sb) = shapes(op, T, d)
     rows = [local_length(T, r, P, "contiguous") for r in range(P)]
@@ -115,23 +120,32 @@ def run_op(comm: MPI.Intracomm, op: str, T: int, d: int, repeat: int, block: int
         a, b = draw(rng, (rows[rank],) + sa[1:]), draw(rng, (rows[rank],) + sb[1:])
     fn = {"nt": mpiattn.matmul_nt, "nn": mpiattn.matmul_nn, "tn": mpiattn.matmul_tn}[op]
 
+    outs = {}  # --reuse-output: every timed call writes into the output of its warm-up
+
     def whole():
         if rank != 0:
             return None
-        return {"nt": lambda: np.matmul(A, B.T), "nn": lambda: np.matmul(A, B),
-                "tn": lambda: np.matmul(A.T, B)}[op]()
+        return {"nt": lambda: np.matmul(A, B.T, out=outs.get("numpy")),
+                "nn": lambda: np.matmul(A, B, out=outs.get("numpy")),
+                "tn": lambda: np.matmul(A.T, B, out=outs.get("numpy"))}[op]()
 
     # every rank's own share of the work as one local matmul (no communication)
     if P > 1:
         b_full = B if rank == 0 else draw(rng, (T, d))
-        share = {"nt": lambda: np.matmul(a, b_full.T),
-                 "nn": lambda: np.matmul(a, b_full),
-                 "tn": lambda: np.matmul(a.T, b)}[op]
+        share = {"nt": lambda: np.matmul(a, b_full.T, out=outs.get("local")),
+                 "nn": lambda: np.matmul(a, b_full, out=outs.get("local")),
+                 "tn": lambda: np.matmul(a.T, b, out=outs.get("local"))}[op]
 
-    fn(a, b, comm, block_size=block)           # warm-up (and the communicator's first use)
+    warm = fn(a, b, comm, block_size=block)    # warm-up (and the communicator's first use)
+    if reuse:
+        outs["dist"] = warm
+        outs["numpy"] = whole()
+        if P > 1:
+            outs["local"] = share()
+    del warm
     res: dict[str, list[float]] = {"dist": [], "numpy": [], "local": []}
     for _ in range(repeat):
-        res["dist"].append(timed(comm, lambda: fn(a, b, comm, block_size=block)))
+        res["dist"].append(timed(comm, lambda: fn(a, b, comm, block_size=block, out=outs.get("dist"))))
         res["numpy"].append(timed(comm, whole))
         if P > 1:
             res["local"].append(timed(comm, share))
@@ -151,12 +165,17 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--reuse-output", action="store_true",
+                    help="every timed call writes into one output made by a warm-up call (out=), "
+                         "numpy.matmul too: a loop's steady state, the first touch of the output's "
+                         "pages paid once")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     P = comm.size
     if comm.rank == 0:
         print(f"# products-thesis: P={P}, d={args.d}, float32, contiguous, block_size="
-              f"{args.block_size or 'default'}, repeats={args.repeat}")
+              f"{args.block_size or 'default'}, repeats={args.repeat}, "
+              f"outputs {'reused (out=)' if args.reuse_output else 'new each call'}")
         print(f"# CPU: {cpu_model()} ({os.cpu_count()} logical CPUs)")
         print(f"# BLAS: {blas_info()}")
         print(f"# env: " + " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in
@@ -167,7 +186,7 @@ def main() -> None:
         print(f"# loadavg at start: {loadavg()}", flush=True)
     for op in args.ops.split(","):
         T = args.T if op == "nt" else (args.T_square or args.T)
-        res = run_op(comm, op, T, args.d, args.repeat, args.block_size)
+        res = run_op(comm, op, T, args.d, args.repeat, args.block_size, args.reuse_output)
         if comm.rank != 0:
             continue
         dist, ref = res["dist"], res["numpy"]

@@ -66,7 +66,7 @@ from .. import backend, gemm
 from ..comm.core import Comm, get_comm
 from ..comm.ring import circulate
 from ..layouts import all_segments, local_lengths
-from .plan import Plan, Shape, gather_meta, plan_nn, plan_nt, plan_tn
+from .plan import Plan, Shape, check_out, gather_meta, plan_nn, plan_nt, plan_tn
 
 __all__ = ["matmul_nt", "matmul_nn", "matmul_tn",
            "matmul_nt_backward", "matmul_nn_backward", "matmul_tn_backward"]
@@ -98,11 +98,34 @@ def _one_matmul(c: Comm, dtype: np.dtype, n_ring: int, layout: Any) -> bool:
     return True
 
 
-def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+def _result(xp: ModuleType, plan: Plan, dtype: np.dtype, out: Any) -> Any:
+    """``out``, or a new array of the result's shape."""
+    return xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=dtype) if out is None else out
+
+
+def _accumulator(xp: ModuleType, plan: Plan, work: np.dtype, out: Any) -> Any:
+    """Zeros of the result's shape in the accumulation dtype: ``out`` itself where it has that dtype."""
+    if out is None or out.dtype != work:
+        return xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    out[...] = 0
+    return out
+
+
+def _finish(acc: Any, dtype: np.dtype, out: Any) -> Any:
+    """The accumulated result in the operands' dtype, written into ``out`` when given."""
+    if out is None:
+        return acc.astype(dtype, copy=False)
+    if acc is not out:
+        out[...] = acc
+    return out
+
+
+def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any,
+             out: Any = None) -> Any:
     if _one_matmul(c, a.dtype, plan.n_ring, layout):
-        return xp.matmul(a, xp.swapaxes(b, -1, -2))
+        return xp.matmul(a, xp.swapaxes(b, -1, -2), out=out)
     op = gemm.operand_dtype(xp, a.dtype)
-    out = xp.empty(plan.lead + (plan.out_rows, plan.out_cols), dtype=a.dtype)
+    out = _result(xp, plan, a.dtype, out)
     a_w = a.astype(op, copy=False)
     with c.abort_on_error():
         for piece in circulate(c, (b,), plan.n_ring, layout, plan.block):
@@ -111,30 +134,32 @@ def _ring_nt(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -
     return out
 
 
-def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+def _ring_nn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any,
+             out: Any = None) -> Any:
     if _one_matmul(c, a.dtype, plan.n_ring, layout):
-        return xp.matmul(a, b)
+        return xp.matmul(a, b, out=out)
     work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
-    acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    acc = _accumulator(xp, plan, work, out)
     with c.abort_on_error():
         for i, piece in enumerate(circulate(c, (b,), plan.n_ring, layout, plan.block)):
             a_cols = a[..., piece.start:piece.stop].astype(op, copy=False)
             # the first piece writes the accumulator (no temporary), the others add to it
             gemm.matmul(a_cols, piece.data[0].astype(op, copy=False), acc, beta=1.0 if i else 0.0)
-    return acc.astype(a.dtype, copy=False)
+    return _finish(acc, a.dtype, out)
 
 
-def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any) -> Any:
+def _ring_tn(c: Comm, xp: ModuleType, a: Any, b: Any, plan: Plan, layout: Any,
+             out: Any = None) -> Any:
     if _one_matmul(c, a.dtype, plan.n_ring, layout):
-        return xp.matmul(xp.swapaxes(a, -1, -2), b)
+        return xp.matmul(xp.swapaxes(a, -1, -2), b, out=out)
     work, op = backend.accum_dtype(a.dtype), gemm.operand_dtype(xp, a.dtype)
-    acc = xp.zeros(plan.lead + (plan.out_rows, plan.out_cols), dtype=work)
+    acc = _accumulator(xp, plan, work, out)
     b_w = b.astype(op, copy=False)
     with c.abort_on_error():
         for piece in circulate(c, (), plan.n_ring, layout, plan.block, acc_out=(acc,)):
             a_cols_t = xp.swapaxes(a[..., piece.start:piece.stop], -1, -2).astype(op, copy=False)
             gemm.matmul(a_cols_t, b_w, piece.acc[0], beta=1.0)  # a view: added in place
-    return acc.astype(a.dtype, copy=False)
+    return _finish(acc, a.dtype, out)
 
 
 def _sum_to_shape(xp: ModuleType, g: Any, shape: Shape) -> Any:
@@ -151,7 +176,7 @@ def _sum_to_shape(xp: ModuleType, g: Any, shape: Shape) -> Any:
 
 # ------------------------------------------------------------------- forward
 def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
-              block_size: int | None = None) -> Any:
+              block_size: int | None = None, *, out: Any = None) -> Any:
     """This rank's rows of ``A·Bᵀ`` for row-sharded A and B.
 
     Parameters
@@ -166,11 +191,19 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
         Layout of both N and M rows.
     block_size : int, optional
         Rows of B per exchanged piece (default: see the module notes).
+    out : ndarray, optional
+        Where to write the result: this rank's shape of it, the inputs' dtype,
+        C-contiguous, sharing no memory with ``a`` or ``b``; given on every rank
+        or on none. A loop that calls the product again and again can reuse one
+        output (its memory pages are then touched once: at ``n_r x M = 10,000 x
+        20,000`` float32 the first touch of a new result took 0-2.3 s on a 2-core
+        VM, see ``benchmarks/products-thesis``).
 
     Returns
     -------
     ndarray, shape (broadcast(...), n_r, M)
-        Rows of ``A·Bᵀ``, columns in global order; dtype of the inputs.
+        Rows of ``A·Bᵀ``, columns in global order; dtype of the inputs (``out``
+        itself when given).
 
     Raises
     ------
@@ -196,13 +229,16 @@ def matmul_nt(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_nt"
-    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    arrays = [("a", a), ("b", b)] + ([] if out is None else [("out", out)])
+    xp, dtype, (sa, sb, *s_out), layout, block = gather_meta(c, op, arrays, layout, block_size)
     plan = plan_nt(sa, sb, layout, c.rank, block, dtype)
-    return _ring_nt(c, xp, a, b, plan, layout)
+    if out is not None:
+        check_out(s_out[0], plan.lead, [s[-2] for s in sa], plan.out_cols, op)
+    return _ring_nt(c, xp, a, b, plan, layout, out)
 
 
 def matmul_nn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
-              block_size: int | None = None) -> Any:
+              block_size: int | None = None, *, out: Any = None) -> Any:
     """This rank's rows of ``A·B`` for row-sharded A (all M columns) and B.
 
     Parameters
@@ -211,7 +247,7 @@ def matmul_nn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
         This rank's rows of A (N x M), columns in global order.
     b : ndarray, shape (..., m_r, d)
         This rank's rows of B (M x d).
-    comm, layout, block_size
+    comm, layout, block_size, out
         As in :func:`matmul_nt` (``block_size`` counts rows of B).
 
     Returns
@@ -229,13 +265,16 @@ def matmul_nn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_nn"
-    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    arrays = [("a", a), ("b", b)] + ([] if out is None else [("out", out)])
+    xp, dtype, (sa, sb, *s_out), layout, block = gather_meta(c, op, arrays, layout, block_size)
     plan = plan_nn(sa, sb, layout, c.rank, block, dtype)
-    return _ring_nn(c, xp, a, b, plan, layout)
+    if out is not None:
+        check_out(s_out[0], plan.lead, [s[-2] for s in sa], plan.out_cols, op)
+    return _ring_nn(c, xp, a, b, plan, layout, out)
 
 
 def matmul_tn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
-              block_size: int | None = None) -> Any:
+              block_size: int | None = None, *, out: Any = None) -> Any:
     """This rank's rows of ``Aᵀ·B`` for row-sharded A and B (a ring reduce-scatter).
 
     Parameters
@@ -244,7 +283,7 @@ def matmul_tn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
         This rank's rows of A (M x N), columns in global order.
     b : ndarray, shape (..., m_r, d)
         This rank's rows of B (M x d), the same rows as ``a``.
-    comm, layout, block_size
+    comm, layout, block_size, out
         As in :func:`matmul_nt`; the N output rows are partitioned by the same
         layout, and ``block_size`` counts output rows per travelling piece.
 
@@ -267,9 +306,12 @@ def matmul_tn(a: Any, b: Any, comm: Any = None, layout: Any = "contiguous",
     """
     c = get_comm(comm)
     op = "matmul_tn"
-    xp, dtype, (sa, sb), layout, block = gather_meta(c, op, [("a", a), ("b", b)], layout, block_size)
+    arrays = [("a", a), ("b", b)] + ([] if out is None else [("out", out)])
+    xp, dtype, (sa, sb, *s_out), layout, block = gather_meta(c, op, arrays, layout, block_size)
     plan = plan_tn(sa, sb, layout, c.rank, block, dtype)
-    return _ring_tn(c, xp, a, b, plan, layout)
+    if out is not None:
+        check_out(s_out[0], plan.lead, local_lengths(plan.n_ring, c.size, layout), plan.out_cols, op)
+    return _ring_tn(c, xp, a, b, plan, layout, out)
 
 
 # ------------------------------------------------------------------ backward

@@ -21,7 +21,7 @@ from ..comm.device import prepare
 from ..layouts import (check_block_size, check_layout, check_shares, describe_key, layout_key,
                        local_lengths)
 
-__all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta",
+__all__ = ["PIECE_BYTES", "Shape", "Plan", "default_block_size", "gather_meta", "check_out",
            "plan_nt", "plan_nn", "plan_tn"]
 
 #: Target bytes of one travelling piece when ``block_size`` is None (16 MiB).
@@ -76,6 +76,9 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
 
     Returns the namespace, the common dtype, ``shapes[i][r]`` (operand i on
     rank r), the layout and the requested block size (None for the default).
+    An entry named ``"out"`` is an output to write into: it must be writeable
+    and share no memory with the other arrays, and every rank must pass one
+    or none (its shape is checked against the plan by :func:`check_out`).
     """
     names = [nm for nm, _ in arrays]
 
@@ -84,14 +87,15 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
         blk = check_block_size(block_size, op)
         for nm, x in arrays:
             _check_array(x, nm, op)
-        backend.array_module(*(x for _, x in arrays))
+        xp = backend.array_module(*(x for _, x in arrays))
+        if "out" in names:
+            _check_out_array(xp, dict(arrays), op)
         dtypes = {nm: np.dtype(x.dtype) for nm, x in arrays}
         if len(set(dtypes.values())) > 1:
             listed = ", ".join(f"{nm} {dt}" for nm, dt in dtypes.items())
             raise TypeError(f"{op}: operands must have the same dtype, got {listed}")
         return (layout_key(layout), blk, str(arrays[0][1].dtype),
-                tuple(tuple(int(s) for s in x.shape) for _, x in arrays),
-                backend.array_module(*(x for _, x in arrays)).__name__)
+                tuple(tuple(int(s) for s in x.shape) for _, x in arrays), xp.__name__, "out" in names)
 
     # local checks and the metadata allgather in one collective: a local error
     # becomes the same exception on every rank
@@ -101,6 +105,9 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
     # From here on every rank holds the same data and runs the same pure checks,
     # so they raise the same error everywhere without further communication.
     block_size = meta_all[0][1]
+    with errors.alike():
+        errors.same_everywhere([m[5] for m in meta_all], f"whether {op} is given an out array",
+                               lambda given: "one" if given else "none")
     shapes = [[m[3][i] for m in meta_all] for i in range(len(names))]
     with errors.alike():
         for i, what in ((4, "backend"), (0, "layout"), (1, "block_size"), (2, "dtype")):
@@ -110,6 +117,43 @@ def gather_meta(c: Comm, op: str, arrays: Sequence[tuple[str, Any]], layout: Any
             _same_except_rows(per_rank, nm, op)
     prepare(c, *(x for _, x in arrays))
     return xp, dtype, shapes, layout, block_size
+
+
+def _check_out_array(xp: ModuleType, arrays: dict[str, Any], op: str) -> None:
+    """``out`` may be written and shares no memory with an operand (a local check)."""
+    out = arrays["out"]
+    if not getattr(out.flags, "writeable", True):
+        raise ValueError(f"{op}: out is read-only")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{op}: out is not C-contiguous; pass a C-contiguous array "
+                         "(numpy.ascontiguousarray makes one)")
+    for nm, x in arrays.items():
+        if nm != "out" and xp.may_share_memory(out, x):
+            raise ValueError(f"{op}: out shares memory with {nm}; pass an array of its own")
+
+
+@errors.alike()  # on gathered metadata: every rank raises alike
+def check_out(shapes: list[Shape], lead: Shape, rows: Sequence[int], cols: int, op: str) -> None:
+    """Every rank's ``out`` has that rank's shape of the result, ``lead + (rows[r], cols)``.
+
+    Parameters
+    ----------
+    shapes : list of tuple of int
+        ``out``'s shape on each rank (gathered: the same list on every rank).
+    lead : tuple of int
+        The result's broadcast leading axes.
+    rows : sequence of int
+        The result's rows on each rank.
+    cols : int
+        The result's columns.
+    op : str
+        The product's name, for the message.
+    """
+    for r, (got, n_r) in enumerate(zip(shapes, rows)):
+        want = tuple(lead) + (int(n_r), int(cols))
+        if tuple(got) != want:
+            raise ValueError(f"{op}: out has shape {tuple(got)} on rank {r}; the result there "
+                             f"has shape {want}")
 
 
 def _same_except_rows(shapes: list[Shape], name: str, op: str) -> None:

@@ -2,8 +2,8 @@
 
 Strategies and engines come from their registries (:data:`mpiattn.strategies.registry.STRATEGIES`,
 :data:`mpiattn.kernels.engines.ENGINES`): one added there is tested here with no new
-test code, on every case it declares it supports (the others are skipped with its own
-reason). Each case runs forward and backward on sharded inputs and is compared, on the
+test code, on every case it declares it supports (the others are left out at collection,
+each with its own reason: :data:`LEFT_OUT`). Each case runs forward and backward on sharded inputs and is compared, on the
 gathered arrays, with the tests' float64 reference (``helpers.dense_attention``) under
 FlashAttention's rule: the error of each output is at most 2x (float64) or 3x
 (float32, float16, bfloat16) the error of a plain same-dtype attention computed by torch
@@ -34,6 +34,9 @@ the same rule.
 """
 
 import functools
+import hashlib
+import os
+import pickle
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -93,6 +96,8 @@ BASE = [
     Case("cross-causal-f64", "float64", N=41, M=23, causal=True),
     Case("tiny-empty-shards-f64", "float64", N=3, M=2, B=1),
     Case("uneven-f16-gqa", "float16", H=6, Hkv=2, N=31, E=16, causal=True, layout="zigzag"),
+    # heads that 4 ranks divide (ulysses and hybrid:4x1 at 4 ranks: no other case has them)
+    Case("heads-8x4-causal-f32", "float32", H=8, Hkv=4, N=43, causal=True, layout="zigzag", B=1),
     Case("balanced-tiles-f32", "float32", causal=True, N=64, layout="balanced-tiles", block=8),
     Case("causal-zigzag-bf16", "bfloat16", causal=True, layout="zigzag", N=53, E=16),
     Case("documents-padding-bf16-gqa", "bfloat16", H=4, Hkv=2, docs=True, pad=True),
@@ -170,7 +175,28 @@ def _eps(dt):
 def _data(case, comm):
     """The case's global arrays, its reference, its baseline and :func:`_allowances` (computed
     once per case, by rank 0, and broadcast: every rank runs the cases in one order)."""
-    return comm.bcast_obj(_compute(case) if comm.rank == 0 else None)
+    return comm.bcast_obj(_kept(case) if comm.rank == 0 else None)
+
+
+def _kept(case):
+    """:func:`_compute` of ``case``, kept between the sessions of one ``tests/run_all.py``
+    (``$MPIATTN_TEST_CACHE_DIR``, which it makes and removes: the data do not depend on the rank
+    count, and computing them took about 10 s a session); computed anew without it."""
+    root = os.environ.get("MPIATTN_TEST_CACHE_DIR")
+    if not root or not os.path.isdir(root):
+        return _compute(case)
+    path = os.path.join(root, "contract-" + hashlib.sha256(repr(case).encode()).hexdigest()[:32] + ".pkl")
+    try:
+        with open(path, "rb") as fh:
+            return pickle.load(fh)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        pass
+    data = _compute(case)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        pickle.dump(data, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+    return data
 
 
 def _compute(case):
@@ -361,13 +387,27 @@ def _check(case, got, ref, base, extra, hops=0, sinks=None):
 
 
 # ------------------------------------------------------------------ the suite
-def _skip_reason(comm, strategy, engine, case, spec):
+def _options(case, strategy, engine):
+    return Options(causal=case.causal, window=case.window, strategy=strategy, engine=engine,
+                   block_size=case.block, softcap=case.softcap)
+
+
+def _skip_reason(topology, strategy, engine, case, device):
+    """Why ``strategy`` with ``engine`` does not run ``case`` on ``topology`` (None: it does)."""
     s = registry.get(strategy)
     if not s.uses_engine and engine != engines.AUTO[0]:
         return f"strategy {strategy!r} runs no engine (tested once, with the default)"
-    topology = get_comm(comm).topology
     if "ring-first" in strategy and topology.n_nodes == 1:
         return "the ring-first placement is for machines of several nodes"
+    if case.dtype == "bfloat16":
+        try:
+            import ml_dtypes  # noqa: F401 - numpy's name "bfloat16"
+        except ImportError:
+            return "bfloat16 cases need ml_dtypes"
+    spec = AttentionSpec.from_shapes((case.B, case.H, case.N, case.E), (case.B, case.Hkv, case.m, case.E),
+                                     (case.B, case.Hkv, case.m, case.ev), case.dtype,
+                                     _options(case, strategy, engine), device=device, padding=case.pad,
+                                     segments=case.docs, sinks=case.sinks)
     why = s.supports(spec, topology)
     if why is None:
         e = engines.get(engine)
@@ -375,9 +415,37 @@ def _skip_reason(comm, strategy, engine, case, spec):
     return why
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])  # slowest: one case's data, reused
+#: The (case name, engine, strategy) triples this session leaves out, with each one's reason
+#: (filled at collection by :func:`pytest_generate_tests`).
+LEFT_OUT: dict[tuple[str, str, str], str] = {}
+#: The triples this session runs (filled with :data:`LEFT_OUT`).
+RUNS: list[tuple[str, str, str]] = []
+
+
+def pytest_generate_tests(metafunc):
+    """``test_contract``'s cases: every case x engine x strategy that runs at this session's rank
+    count, topology and backend; the others are left out at collection (a skipped test still costs
+    pytest's whole protocol: about 2,100 of them per session) and listed with their reasons in
+    :data:`LEFT_OUT`, which ``test_every_left_out_case_has_its_reason`` checks. Collective: the
+    world's topology (every rank collects the same modules, in one order)."""
+    if metafunc.function is not test_contract:
+        return
+    from mpi4py import MPI
+    topology = get_comm(MPI.COMM_WORLD).topology
+    device = "cupy" if os.environ.get("MPIATTN_TEST_BACKEND", "numpy") == "cupy" else "numpy"
+    runs = []
+    for case in CASES:  # slowest: one case's data, reused
+        for engine in ENGINES:
+            for strategy in STRATEGIES:
+                why = _skip_reason(topology, strategy, engine, case, device)
+                if why is None:
+                    runs.append(pytest.param(case, engine, strategy, id=f"{case.name}-{engine}-{strategy}"))
+                    RUNS.append((case.name, engine, strategy))
+                else:
+                    LEFT_OUT[(case.name, engine, strategy)] = why
+    metafunc.parametrize("case,engine,strategy", runs)
+
+
 def test_contract(comm, xp, strategy, engine, case):
     if case.dtype == "bfloat16":
         pytest.importorskip("ml_dtypes")
@@ -385,15 +453,7 @@ def test_contract(comm, xp, strategy, engine, case):
     P = comm.size
     if case.sinks or case.softcap is not None:
         pytest.importorskip("torch", reason="the reference of the softcap and sinks is torch autograd")
-    options = Options(causal=case.causal, window=case.window, strategy=strategy, engine=engine,
-                      block_size=case.block, softcap=case.softcap)
-    spec = AttentionSpec.from_shapes((case.B, case.H, case.N, case.E), (case.B, case.Hkv, case.m, case.E),
-                                     (case.B, case.Hkv, case.m, case.ev), case.dtype, options,
-                                     device=xp.__name__, padding=case.pad, segments=case.docs,
-                                     sinks=case.sinks)
-    why = _skip_reason(comm, strategy, engine, case, spec)  # before the data: most runs skip
-    if why is not None:
-        pytest.skip(why)
+    options = _options(case, strategy, engine)
     Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra = _data(case, comm)
     lay, kv_lay = _layouts(case, P, seg)
     options = Options.of(options, layout=lay, kv_layout=kv_lay)
@@ -434,6 +494,21 @@ def test_an_engine_runs_what_it_declares_and_refuses_the_rest(comm, engine):
             with pytest.raises(ValueError, match=f"engine {engine!r} cannot run on rank 0") as info:
                 mpiattn.attention(x, x, x, engine=engine, **rules)
             assert why in str(info.value)
+
+
+def test_every_left_out_case_has_its_reason(comm):
+    """Each case x engine x strategy either runs here or is left out with a reason, and every
+    strategy this rank count can run, and each engine of the host (native, torch where it is
+    installed), runs some case."""
+    assert len(RUNS) + len(LEFT_OUT) == len(CASES) * len(ENGINES) * len(STRATEGIES)
+    assert not set(RUNS) & set(LEFT_OUT)
+    assert all(isinstance(why, str) and why for why in LEFT_OUT.values())
+    ran = {(engine, strategy) for _, engine, strategy in RUNS}
+    for strategy in registry.variants(comm.size):
+        if "ring-first" not in strategy or comm.topology.n_nodes > 1:
+            assert any(s == strategy for _, s in ran), f"{strategy} runs no case at {comm.size} ranks"
+    host_engines = {"native"} | ({"torch"} if engines.get("torch").usable("numpy") is None else set())
+    assert {engine for engine, _ in ran} >= host_engines
 
 
 def test_the_suite_covers_every_registered_strategy_and_engine():

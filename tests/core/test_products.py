@@ -233,6 +233,59 @@ def test_float16_accumulates_in_float32(comm, xp, op):
     assert np.all(np.abs(got.astype(np.float64) - want) <= bound * 1.0001)
 
 
+# --------------------------------------------------------------------- out=
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", OPS)
+def test_out_receives_the_same_result(comm, xp, op, layout, dtype):
+    """``out=`` returns ``out`` itself, holding what the call without it returns, bit for bit,
+    whatever ``out`` held before (filled with NaN here), also when it is reused."""
+    A, B = make(op, 9, 7, 5, lead_a=(2,), dtype=dtype, integer=False, seed=3)
+    a, b = xp.asarray(rows(A, layout)), xp.asarray(rows(B, layout))
+    want = host(FORWARD[op](a, b, layout=layout, block_size=2))
+    out = xp.full(want.shape, np.nan, dtype=dtype)
+    for _ in range(2):
+        got = FORWARD[op](a, b, layout=layout, block_size=2, out=out)
+        assert got is out
+        np.testing.assert_array_equal(host(out), want)
+        out[...] = np.nan
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_wrong_out_is_refused_on_every_rank(comm, xp, op):
+    """Each fault on the last rank only; every rank raises the same error, nothing is computed."""
+    a, b = _shards(op, xp)
+    good = FORWARD[op](a, b)
+    last = comm.rank == comm.size - 1
+
+    def refused(exc_type, match, bad, a=a):
+        out = bad if last else xp.empty_like(good)
+        raises_everywhere(comm, exc_type, match, lambda: FORWARD[op](a, b, out=out))
+
+    rows_, cols = good.shape[-2:]
+    # (the message names the last rank's shapes; its rows may differ from this rank's)
+    refused(ValueError, rf"matmul_{op}: out has shape \(\d+, {cols}\) on rank {comm.size - 1}",
+            xp.empty((rows_ + 1, cols)))
+    # (at one rank the plan's check says it; at several, the check of every rank's shapes first)
+    refused(ValueError, "out has shape|only axis -2", xp.empty((rows_, cols + 1)))
+    refused(TypeError, "same dtype", xp.empty(good.shape, dtype=np.float32))
+    refused(ValueError, "not C-contiguous", xp.empty(good.shape + (2,))[..., 0])
+    # out overlapping a by one element of one buffer
+    base = xp.empty(a.size + good.size)
+    a_in = base[:a.size].reshape(a.shape)
+    a_in[...] = a
+    refused(ValueError, "out shares memory with a", base[a.size - 1:a.size - 1 + good.size].reshape(good.shape),
+            a=a_in if last else a)
+    if xp is np:
+        read_only = np.empty_like(good)
+        read_only.flags.writeable = False
+        refused(ValueError, "out is read-only", read_only)
+    if comm.size > 1:
+        out = None if comm.rank == 1 else xp.empty_like(good)
+        raises_everywhere(comm, ValueError, f"ranks disagree on whether matmul_{op} is given an out "
+                          "array: rank 0 has one, rank 1 has none", lambda: FORWARD[op](a, b, out=out))
+
+
 # ---------------------------------------------------------------- backward
 def _unbroadcast(g, shape):
     """Reference: sum a gradient over the axes where an operand was broadcast."""
