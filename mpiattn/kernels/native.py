@@ -62,7 +62,6 @@ import numpy as np
 
 from .. import backend
 from ..masks import BlockMask
-from ..masks.modifiers import softcap_
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
            "forward_block", "finalize", "backward_block", "DEFAULT_TILE", "TAU"]
@@ -289,7 +288,7 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
             continue
         kt = ws.transposed("kt", k, j0, j1, dt)
         vc = ws.with_ones("vc", v, j0, j1, dt)
-        exact = mask.softcap is not None or st.xmax is not None
+        exact = mask.transform is not None or st.xmax is not None
         for i0, i1, r0, r1, vis in tiles:
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
             if exact:
@@ -313,13 +312,13 @@ def _raw_scores(xp: Any, st: ForwardState, r0: int, r1: int, rows: tuple, kt: An
 def _formed(xp: Any, st: Any, S: Any, mask: BlockMask, tile: tuple, r0: int, r1: int, group: int,
             vis: str, bias: Any) -> None:
     """``S = x`` -> the scores ``y`` (in place): the running ``max_logit`` of the visible ``x``,
-    the softcap, then the bias (hidden pairs -inf, ALiBi, a float ``attn_mask``)."""
+    the transform (softcap), then the bias (hidden pairs -inf, ALiBi, a float ``attn_mask``)."""
     if st.xmax is not None:
         hidden = bias if not mask.formed else mask.hidden(xp, *tile, S.dtype, group, vis)
         top = (S if hidden is None else S + hidden).max(axis=-1)
         xp.maximum(st.xmax[..., r0:r1], top, out=st.xmax[..., r0:r1])
-    if mask.softcap is not None:
-        softcap_(S, mask.softcap)
+    if mask.transform is not None:
+        mask.transform.forward_(S)
     if bias is not None:
         S += bias
 
@@ -480,17 +479,15 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
         kt = ws.transposed("kt", k, j0, j1, dt)
         vt = ws.transposed("vt", v, j0, j1, dt)
         dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
-        c = mask.softcap
+        f = mask.transform
         for i0, i1, r0, r1, vis in tiles:
             rows = lead + (r1 - r0,)
             bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
-            if c is None:
+            if f is None:
                 P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
-            else:  # t = tanh(x / c); P = exp(c t + bias - lse)
+            else:  # P = exp(f(x) + bias - lse); T keeps what f's chain rule needs
                 T = xp.matmul(qa[..., r0:r1, :E], kt[..., :E, :], out=ws.get("T", rows + (kk,), dt))
-                T *= dt.type(1.0 / c)
-                xp.tanh(T, out=T)
-                P = xp.multiply(T, dt.type(c), out=ws.get("P", rows + (kk,), dt))
+                P = f.saving_(T, out=ws.get("P", rows + (kk,), dt))
                 P += qa[..., r0:r1, E, None]
             if bias is not None:
                 P += bias
@@ -498,10 +495,8 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
             dv_c += _rows_product(xp, ws, "dv", P, doa[..., r0:r1, :Ev], group)
             dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
             dS *= P
-            if c is not None:  # dy/dx = 1 - t^2
-                T *= T
-                xp.subtract(dt.type(1), T, out=T)
-                dS *= T
+            if f is not None:  # dS *= dy/dx
+                f.chain_(dS, T)
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
             dk_c += _rows_product(xp, ws, "dk", dS, qa[..., r0:r1, :E], group)
 

@@ -39,7 +39,6 @@ import numpy as np
 
 from .. import backend, gemm
 from ..masks import BlockMask
-from ..masks.modifiers import softcap_
 from . import fused
 from .native import Workspace, _key_tiles, fold_queries
 
@@ -188,19 +187,21 @@ class DeviceForward:
 
 
 def _formed(xmax: Any, S: Any, mask: BlockMask, i0: int, i1: int, j0: int, j1: int, group: int,
-            vis: str, pad: Any, host: Any) -> Any:
+            vis: str, pad: Any, host: Any, keep: bool = False) -> Any:
     """``S = x`` -> the scores (in place, generic array code): the running ``max_logit`` (into
-    ``xmax``, the forward's, None in the backward), the softcap, then the padding and the host
-    bias. Returns ``t = tanh(x / c)`` (a copy) or None."""
+    ``xmax``, the forward's, None in the backward), the transform (softcap), then the padding and
+    the host bias. Returns, with ``keep`` (the backward), what the transform's chain rule needs, else None."""
     xp = backend.array_module(S)
     if xmax is not None:
         hidden = mask.hidden(xp, i0, i1, j0, j1, S.dtype, group, vis)
         top = (S if hidden is None else S + hidden).max(axis=-1)
         xp.maximum(xmax[..., i0 * group:i1 * group], top, out=xmax[..., i0 * group:i1 * group])
-    t = None
-    if mask.softcap is not None:
-        softcap_(S, mask.softcap)
-        t = S * S.dtype.type(1.0 / mask.softcap)
+    t, f = None, mask.transform
+    if f is not None and keep:  # the backward: S <- f(x), t keeps f's chain rule
+        t = S.copy()
+        f.saving_(t, out=S)
+    elif f is not None:
+        f.forward_(S)
     return _apply_generic(S, pad, None, host, S.shape[1]), t
 
 
@@ -300,11 +301,10 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
             dS = dP if op == acc else _tile_buf(bs.ws, "dS", (B, hkv), R, kk, op)
             lse, D = bs.lse[..., r0:r1], bs.D[..., r0:r1]
             if mask.mods is not None:  # scores formed by the generic array code
-                _, t = _formed(None, S, mask, i0, i1, j0, j1, group, vis, pad, host)
+                _, t = _formed(None, S, mask, i0, i1, j0, j1, group, vis, pad, host, keep=True)
                 fused.generic.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D))
-                if t is not None:  # dy/dx = 1 - t^2
-                    t *= t
-                    dS *= (1 - t).astype(dS.dtype, copy=False)
+                if t is not None:  # dS *= dy/dx
+                    mask.transform.chain_(dS, t)
             elif bs.fused:
                 if host is not None:
                     S += host

@@ -5,6 +5,9 @@
     padding), the modifiers it uses, and their checks;
 ``modifiers``
     :class:`Modifiers`: softcap, ALiBi, ``attn_mask``, ``mask_mod`` (one rank's arrays);
+``softcap``
+    :class:`~mpiattn.masks.softcap.Softcap`, the one score transform ``c tanh(x / c)``: its
+    formula and chain rule, which every kernel calls;
 ``sinks``
     learnable sinks, added to each merged row, and their gradient;
 ``tiles``

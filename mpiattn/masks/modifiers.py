@@ -4,7 +4,7 @@ With ``x = s q_i . k_j`` (``s`` the scale), global positions ``i``, ``j``,
 ``d`` the call's diagonal (:func:`mpiattn.masks.diagonal`), batch entry
 ``b`` and global query head ``h``, a call's score is::
 
-    y = c tanh(x / c)                  softcap c           (dy/dx = 1 - (y / c)^2)
+    y = c tanh(x / c)                  softcap c           (:mod:`mpiattn.masks.softcap`)
     y += -slope[b, h] |i + d - j|      ALiBi               (no gradient to the slopes)
     y += mask[b, h, i, j]              a float attn_mask
     hidden where not mask[b, h, i, j]  a bool attn_mask    (True = the pair takes part)
@@ -21,18 +21,16 @@ is uploaded once where the engine runs on a device.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from .. import backend
+from .softcap import Softcap
 
-__all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_softcap", "check_slopes", "check_attn_mask",
-           "mask_kind",
-           "check_mask_mod", "fold_tile", "softcap_"]
+__all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_slopes", "check_attn_mask",
+           "mask_kind", "check_mask_mod", "fold_tile"]
 
 #: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
 MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
@@ -40,18 +38,6 @@ MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
 #: The modifiers an engine applies (and declares, :class:`mpiattn.kernels.engine.Capabilities`);
 #: the sinks are added to each row once its blocks are merged, whatever the engine.
 ENGINE_MODIFIERS = tuple(m for m in MODIFIERS if m != "sinks")
-
-
-def check_softcap(softcap: Any) -> float | None:
-    """``softcap`` as a float > 0, or None (no cap). Raises TypeError / ValueError otherwise."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
-    c = float(softcap)
-    if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
-    return c
 
 
 def _host_floats(name: str, x: Any) -> np.ndarray:
@@ -144,15 +130,6 @@ def fold_tile(a: np.ndarray, hkv: int, group: int) -> np.ndarray:
     return a.reshape(Bx, hkv, group, r, k).transpose(0, 1, 3, 2, 4).reshape(Bx, hkv, r * group, k)
 
 
-def softcap_(S: Any, c: float) -> Any:
-    """``S <- c tanh(S / c)`` in place; returns ``S``. ``t = S / c`` is the tanh the backward needs."""
-    xp = backend.array_module(S)
-    S *= S.dtype.type(1.0 / c)
-    xp.tanh(S, out=S)
-    S *= S.dtype.type(c)
-    return S
-
-
 @dataclass(frozen=True)
 class Modifiers:
     """One rank's score modifiers of a call (see the module docstring).
@@ -182,6 +159,12 @@ class Modifiers:
     B: int = 1
     H: int = 1
     mask_head0: int = 0
+
+    @property
+    def transform(self) -> Softcap | None:
+        """The elementwise score transform ``y = f(x)`` the kernels apply before the bias
+        (:class:`mpiattn.masks.softcap.Softcap`), or None."""
+        return None if self.softcap is None else Softcap(self.softcap)
 
     def moved(self, attn_mask: np.ndarray, head0: int) -> "Modifiers":
         """The same modifiers with ``attn_mask`` replaced by the rows a head-sharded strategy

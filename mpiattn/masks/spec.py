@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .modifiers import MODIFIERS, check_softcap
+from .modifiers import MODIFIERS
+from .softcap import check_softcap
 
 __all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
            "softmax_scale"]

@@ -167,14 +167,15 @@ class BlockMask:
             self.rows = np.arange(self.q_pos.size, dtype=np.int64)
 
     @property
-    def softcap(self) -> float | None:
-        """The call's softcap ``c`` (scores ``c tanh(x / c)``), or None."""
-        return None if self.mods is None else self.mods.softcap
+    def transform(self) -> Any:
+        """The call's elementwise score transform ``y = f(x)`` (:attr:`Modifiers.transform`: the
+        softcap), or None."""
+        return None if self.mods is None else self.mods.transform
 
     @property
     def formed(self) -> bool:
-        """Scores are more than ``x`` plus a 0 / -inf bias: a softcap or something added."""
-        return self.mods is not None and (self.mods.softcap is not None or self.mods.adds)
+        """Scores are more than ``x`` plus a 0 / -inf bias: a transform or something added."""
+        return self.mods is not None and (self.mods.transform is not None or self.mods.adds)
 
     # ------------------------------------------------------------ what is active
     @property

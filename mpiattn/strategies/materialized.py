@@ -37,7 +37,8 @@ __all__ = ["Materialized"]
 
 def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]:
     """``S`` (the scores ``y``: softcap, ALiBi, ``attn_mask`` and every rule applied), shape
-    ``(B, Hkv, G, n_r, M)`` (accumulation dtype); ``t = tanh(x / c)`` with a softcap, else None;
+    ``(B, Hkv, G, n_r, M)`` (accumulation dtype); what the transform's (softcap's) chain rule
+    needs, else None;
     the largest visible ``x`` per query head (host float64 ``(H,)``) with ``max_logit``, else None."""
     xp = backend.array_module(q)
     s = pb.spec
@@ -66,9 +67,8 @@ def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]
         x = x if pad is None else x + pad
         top = backend.to_host(x.reshape(B, s.H, n, s.M).max(axis=(0, 2, 3), initial=-np.inf))
     t = None
-    if mods is not None and mods.softcap is not None:
-        t = xp.tanh(S / acc.type(mods.softcap))
-        S = t * acc.type(mods.softcap)
+    if mods is not None and mods.transform is not None:
+        t, S = S, mods.transform.saving_(S, out=xp.empty_like(S))
     if mods is not None and mods.adds:
         S = S + backend.to_device(unfold(mods.added(heads, np.arange(n), q_pos, k_pos,
                                                     s.mask.diagonal).astype(acc)), xp)
@@ -118,8 +118,8 @@ def _backward(c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: 
     dv = matmul_tn(Pm, do5, c, **kw).sum(axis=2)
     dP = matmul_nt(do5, v5, c, **kw)
     dS = Pm * (dP - D.astype(acc).reshape(B, s.Hkv, s.G, n)[..., None])  # D = rowsum(dO * O)
-    if t is not None:  # the softcap's dy/dx = 1 - t^2
-        dS *= 1 - t * t
+    if t is not None:  # dS *= dy/dx (the transform's)
+        pb.mods.transform.chain_(dS, t)
     dq = s.scale * matmul_nn(dS, k5, c, **kw)
     dk = s.scale * matmul_tn(dS, q5, c, **kw).sum(axis=2)
     report(progress, 1, 1)

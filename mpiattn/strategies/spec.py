@@ -26,7 +26,7 @@ import numpy as np
 from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
 from ..masks import MaskSpec, check_causal, check_window, diagonal, softmax_scale
-from ..masks.modifiers import check_softcap
+from ..masks.softcap import check_softcap
 
 __all__ = ["Options", "AttentionSpec", "SKIP_FINITE"]
 
