@@ -12,6 +12,10 @@ A test that takes no communicator (neither ``comm`` nor ``shared_dir``, directly
 its fixtures) computes the same on every rank count, so it runs in the single-process
 session only: under several ranks it is deselected (``pytest_collection_modifyitems``). A
 test that communicates, through the library's default communicator too, takes ``comm``.
+
+``--launches-only`` keeps, in the single-process session, only the tests that launch their own
+MPI jobs (``serial_only``; under several ranks it changes nothing): a lane on another MPI
+(.ci/lanes/openmpi.sh) runs those alone at one rank and everything else under several ranks.
 """
 
 import os
@@ -68,16 +72,27 @@ def shared_dir(comm):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--launches-only", action="store_true", default=False,
+                     help="in one process, run only the tests that launch their own MPI jobs")
+
+
 #: The fixtures that make a test one of several ranks (it runs at every rank count).
 _COMMUNICATES = {"comm", "shared_dir"}
 
 
 def pytest_collection_modifyitems(config, items):
     """Under several ranks, leave out (deselect) the tests that take no communicator (see the
-    module docstring): a skipped test still costs pytest's whole protocol, about 3 ms here."""
+    module docstring): a skipped test still costs pytest's whole protocol, about 3 ms here.
+    In one process with ``--launches-only``, leave out all but the launching tests."""
+    names = lambda item: set(getattr(item, "fixturenames", ()))  # noqa: E731
     if _WORLD.Get_size() == 1:
-        return
-    serial = [item for item in items if not _COMMUNICATES & set(getattr(item, "fixturenames", ()))]
+        if config.getoption("launches_only"):
+            serial = [item for item in items if "serial_only" not in names(item)]
+        else:
+            return
+    else:
+        serial = [item for item in items if not _COMMUNICATES & names(item)]
     if serial:
         config.hook.pytest_deselected(items=serial)
         left = set(map(id, serial))

@@ -15,7 +15,7 @@ commit point: both files change, or neither.
 
 The interleavings (issue 31): the signal reaches every rank, and one rank's
 handler is held back, less or more than the time another rank waits for
-rank 0's answer (``DEFER_S``, made 2 s here): whichever rank speaks, exactly
+rank 0's answer (``DEFER_S``, made 1.5 s here): whichever rank speaks, exactly
 one message appears, and it tells what became of the files. Serial session
 only (the tests start their own MPI jobs).
 """
@@ -44,7 +44,7 @@ JOB = textwrap.dedent("""
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if delay != "-":  # "rank:seconds": that rank's handler starts late
         from mpiattn.cli import signals
-        signals.DEFER_S = 2.0
+        signals.DEFER_S = 1.5
         late_rank, seconds = (float(x) for x in delay.split(":"))
         handle = signals.Guard.on_signal
         def held_back(self, signum):
@@ -232,13 +232,15 @@ def test_a_signal_at_each_step(job_dir, command, ranks, where, when, who, whom, 
 
 
 # (command, where, when, who fires, the rank whose handler is held back, seconds, signal, too
-# late): DEFER_S is 2 s in the job: 1 s lets rank 0 answer late but in time, 3 s makes the other
-# rank give up waiting and speak alone. Adopt runs on rank 1 only, publish on rank 0 only.
+# late): DEFER_S is 1.5 s in the job: 0.5 s lets rank 0 answer late but in time, 2.5 s makes the
+# other rank give up waiting and speak alone (1 s from DEFER_S either way: the abort of a rank that
+# spoke alone must end rank 0 before its held handler runs; 0.5 s was seen to be too little).
+# Adopt runs on rank 1 only, publish on rank 0 only.
 # Each step with both signals with rank 0 held past DEFER_S, and one signal each for the shorter
 # holds; decode --append (two files at one commit point) with rank 0 held only.
-_HOLDS = {"run": ((0, 3.0, signal.SIGINT), (0, 3.0, signal.SIGTERM), (1, 1.0, signal.SIGTERM),
-                  (0, 1.0, signal.SIGINT)),
-          "decode": ((0, 3.0, signal.SIGINT), (0, 1.0, signal.SIGTERM))}
+_HOLDS = {"run": ((0, 2.5, signal.SIGINT), (0, 2.5, signal.SIGTERM), (1, 0.5, signal.SIGTERM),
+                  (0, 0.5, signal.SIGINT)),
+          "decode": ((0, 2.5, signal.SIGINT), (0, 0.5, signal.SIGTERM))}
 HELD = [(cmd, where, when, who, held, seconds, sig, late)
         for cmd in ("run", "decode")
         for where, when, who, late in ((R + "adopt", "after", 1, False),
