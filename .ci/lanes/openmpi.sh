@@ -7,7 +7,9 @@
 # the tests' own launches and 4 ranks with two-level splits, stay). The 1-rank session runs
 # only the tests that launch their own MPI jobs (--launches-only, tests/conftest.py:
 # 160 of 2,365; the others communicate at 4 ranks or touch no MPI at all, about 38 s of the
-# session). All this keeps .ci/run under 30 minutes on 2 cores.
+# session), and of the signal at each step only the cases of run and decode --append (make-data
+# and prefill publish through the same steps as run; the main suite runs them). All this keeps
+# .ci/run under 30 minutes on 2 cores.
 # Last line: "LANE openmpi: PASS", "LANE openmpi: FAIL (why)" or "LANE openmpi: SKIP (why)".
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -50,7 +52,7 @@ timeout 120 "$VENV/bin/mpiexec" --oversubscribe --allow-run-as-root -n 4 "$PY" -
 step "tests/run_all.py (1 rank: the launching tests; 4 ranks; the contract suite without its flash-* cases)"
 # (and without the signals sent while the program starts: prterun passes none on to its ranks)
 PATH=$VENV/bin:$PATH "$PY" tests/run_all.py --ranks 1,4 --mpiexec-args "--oversubscribe --allow-run-as-root" \
-    --launches-only -k "not (test_contract and flash-) and not while_the_program_starts" \
+    --launches-only -k "not (test_contract and flash-) and not while_the_program_starts and not (test_a_signal_at_each_step and (make-data- or prefill-))" \
     | tee "$LANE_TMP/run_all.log"
 rc=${PIPESTATUS[0]}
 [[ $rc == 0 ]] || verdict FAIL "tests/run_all.py exited $rc: $(suite_summary "$LANE_TMP/run_all.log")"

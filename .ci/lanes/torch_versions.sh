@@ -11,7 +11,10 @@
 # PyPI's Linux wheels of torch are CUDA builds (about 5 GB with their nvidia-* wheels); they run
 # on a machine without a GPU. A machine-wide pip constraint (e.g. one capping torch below the
 # newest release) is lifted for these venvs only (PIP_CONSTRAINT=/dev/null). --no-compile: the
-# modules the tests import are compiled as they are imported (about 25 s less on 2 cores).
+# modules the tests import are compiled as they are imported (about 25 s less on 2 cores). The
+# next release's wheels are downloaded (pip download, in the background) while the tests of the
+# one before run, and installed from those files: the download, most of an install's 100 s
+# with no pip cache, overlaps the tests (if it fails, the install downloads them itself).
 # Last line: "LANE torch_versions: PASS", "... FAIL (why)" or "... SKIP (why)" (SKIP: pip could
 # not download a torch release).
 set -uo pipefail
@@ -28,13 +31,46 @@ TESTS=(tests/torch_interface tests/attention/test_engines.py tests/attention/tes
 # every test of the torch-interface and engine files; of the two suites, the torch engine's cases
 SELECT="(not test_contract and not test_modifiers) or torch"
 
-for version in "${VERSIONS[@]}"; do
+FETCH_PID=""
+lane_cleanup() {  # a download still running when the lane ends (a FAIL): stop it
+    if [[ -n $FETCH_PID ]]; then
+        pkill -P "$FETCH_PID" 2>/dev/null
+        kill "$FETCH_PID" 2>/dev/null
+        wait "$FETCH_PID" 2>/dev/null
+    fi
+    return 0
+}
+fetch() {  # fetch VERSION: torch VERSION's wheels and their dependencies into $LANE_TMP/wheels-VERSION
+    PIP_CONSTRAINT=/dev/null python3 -m pip download -q -d "$LANE_TMP/wheels-$1" "torch==$1" \
+        >"$LANE_TMP/fetch-$1.log" 2>&1
+}
+for i in "${!VERSIONS[@]}"; do
+    version=${VERSIONS[$i]}
     venv=$PWD/.ci/.venv-torch-$version
     py=$venv/bin/python
     step "venv $venv: torch $version, mpiattn[mpich,test,hf]"
     python3 -m venv "$venv" || verdict FAIL "python3 -m venv failed"
-    PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile "torch==$version" \
-        || verdict SKIP "pip could not install torch $version"
+    fetched=1
+    if [[ -n $FETCH_PID ]]; then  # this release's wheels, downloaded meanwhile
+        wait "$FETCH_PID" || fetched=0
+        FETCH_PID=""
+        ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
+            --find-links "$LANE_TMP/wheels-$version" "torch==$version" || fetched=0; }
+        ((fetched)) && echo "torch $version installed from the wheels downloaded during the tests before" \
+            || echo "the download of torch $version during the tests before failed: pip downloads it now"
+    else
+        fetched=0
+    fi
+    rm -rf "$LANE_TMP/wheels-$version"  # (about 5 GB)
+    if ((!fetched)); then
+        PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile "torch==$version" \
+            || verdict SKIP "pip could not install torch $version"
+    fi
+    next=${VERSIONS[$((i + 1))]:-}
+    if [[ -n $next ]]; then
+        fetch "$next" &
+        FETCH_PID=$!
+    fi
     PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile -e ".[mpich,test,hf]" "torch==$version" \
         "${TRANSFORMERS[$version]}" \
         || verdict FAIL "pip install -e .[mpich,test,hf] with torch $version failed"
