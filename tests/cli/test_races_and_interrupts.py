@@ -89,26 +89,43 @@ def test_two_appends_at_once_one_is_refused_and_nothing_is_lost(cache_dir, ranks
     assert sorted(n for n in os.listdir(cache_dir) if ".mpiattn-" in n) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("delay", [0.3, 0.45, 0.6, 0.8])
-def test_a_signal_while_the_program_starts_is_one_line_and_128_plus_n(cache_dir, sig, delay):
-    """Issue 26 item 8: a signal during the imports or MPI_Init (forwarded to every rank by
-    mpiexec): exit code 128 + N, at most one line, no traceback, nothing written."""
+def _launcher_failed(code, err):
+    """Hydra's own failure (exit code 255 and its proxy's words), not the program's: its proxy can
+    lose a race with a rank that ends at a signal it forwarded (seen once in CI's 1-rank session:
+    "[proxy:0@vm] HYDU_...", "process manager error waiting for completion")."""
+    return _hydra() and code == 255 and "process manager error" in err
+
+
+def _signal_while_starting(cache_dir, sig, delay):
     p = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "-m", "mpiattn", "run", "in.h5", "-o",
                           "o.h5", "-q"], cwd=cache_dir, env=_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(delay)
     p.send_signal(sig)
-    code, out, err = finish_group(p, LIMIT_S, "the job did not end after the signal")
-    said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn")]
-    assert "Traceback" not in out + err, (code, out, err)
-    # (0: it had finished: nothing to undo. Open MPI's prterun passes no signal on: it ends its
-    # ranks itself, exit code 1 and its own words)
-    assert code in (128 + sig, 0) or (code == 1 and not _hydra()), (code, out, err)
-    assert len(said) <= 1 and all(sig.name in ln for ln in said), (code, out, err)
-    assert sorted(n for n in os.listdir(cache_dir) if ".mpiattn-" in n) == []
-    if code:
-        assert not (cache_dir / "o.h5").exists()
+    return finish_group(p, LIMIT_S, "the job did not end after the signal")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("delay", [0.3, 0.45, 0.6, 0.8])
+def test_a_signal_while_the_program_starts_is_one_line_and_128_plus_n(cache_dir, sig, delay):
+    """Issue 26 item 8: a signal during the imports or MPI_Init (forwarded to every rank by
+    mpiexec): exit code 128 + N, at most one line, no traceback, nothing written. Where Hydra
+    itself fails (:func:`_launcher_failed`) the ranks' part is checked and the case runs once
+    more, which must then pass whole: a launcher that failed every time still fails the test."""
+    for attempt in (1, 2):
+        code, out, err = _signal_while_starting(cache_dir, sig, delay)
+        said = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn")]
+        assert "Traceback" not in out + err, (code, out, err)
+        assert len(said) <= 1 and all(sig.name in ln for ln in said), (code, out, err)
+        assert sorted(n for n in os.listdir(cache_dir) if ".mpiattn-" in n) == []
+        if code:
+            assert not (cache_dir / "o.h5").exists()
+        if attempt == 1 and _launcher_failed(code, err):
+            continue
+        # (0: it had finished: nothing to undo. Open MPI's prterun passes no signal on: it ends
+        # its ranks itself, exit code 1 and its own words)
+        assert code in (128 + sig, 0) or (code == 1 and not _hydra()), (code, out, err)
+        break
 
 
 PROGRAM = textwrap.dedent("""
