@@ -6,11 +6,12 @@ import argparse
 import importlib
 import importlib.util
 import math
+from typing import Any
 
 
 from .. import __version__
 from ..kernels import engines
-from ..masks import ALIGNMENTS, check_causal
+from ..masks import ALIGNMENTS, check_causal, mods
 from ..strategies import machines, registry
 from . import calibrate, inference, plan
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
@@ -83,6 +84,14 @@ def _strategy(text: str) -> str:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _mask_mod(text: str) -> Any:
+    """``NAME:PARAMS``: a rule of :mod:`mpiattn.masks.mods` (e.g. ``chunked:4096``)."""
+    try:
+        return mods.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _window(text: str) -> tuple:
@@ -189,6 +198,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                      help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E))")
     run.add_argument("--softcap", type=_positive_float, default=None, metavar="C",
                      help="cap the scores: C tanh(scale q.k / C) (Gemma 2)")
+    run.add_argument("--mask-mod", type=_mask_mod, default=None, metavar="NAME:PARAMS",
+                     help="a named mask rule, combined with the others by AND: "
+                          f"{', '.join(mods.names())} (e.g. chunked:4096; see mpiattn.masks.mods)")
     run.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
                      help="compute dtype (default: that of the stored q, k, v)")
     run.add_argument("--no-backward", action="store_true",

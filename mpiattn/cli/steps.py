@@ -83,12 +83,15 @@ class Settings:
     device_note : str
     used : dict
         What :func:`mpiattn.attention` reports it used (``details``).
+    mask_mod : MaskMod or None
+        A named mask rule (``--mask-mod``, :mod:`mpiattn.masks.mods`).
     """
 
     options: Options
     xp: Any
     device_note: str = ""
     used: dict = field(default_factory=dict)
+    mask_mod: Any = None
 
     @property
     def layout_name(self) -> str:
@@ -106,6 +109,7 @@ class Settings:
                                          kv_segments=inp.kv_segment_ids is not None,
                                          alibi=inp.alibi_slopes is not None,
                                          attn_mask=mask_kind(inp.attn_mask),
+                                         mask_mod=self.mask_mod is not None,
                                          sinks=inp.sinks is not None)
 
 
@@ -130,8 +134,8 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(key_padding_mask=mask, segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids,
-              attn_mask=inp.attn_mask, alibi_slopes=inp.alibi_slopes, sinks=inp.sinks,
-              options=st.options)
+              attn_mask=inp.attn_mask, mask_mod=st.mask_mod, alibi_slopes=inp.alibi_slopes,
+              sinks=inp.sinks, options=st.options)
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, progress=con.progress("forward"), details=st.used, **kw)
     results = {"out": out, "lse": lse}
@@ -236,7 +240,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                               key_padding_mask=g.get("key_padding_mask"),
                               segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"),
                               softcap=o.softcap, alibi_slopes=inp.alibi_slopes,
-                              attn_mask=g.get("attn_mask"), sinks=inp.sinks)
+                              attn_mask=g.get("attn_mask"), mask_mod=st.mask_mod, sinks=inp.sinks)
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
                              g.get("dout"), o.scale)
     found = c.bcast_obj(found if c.rank == 0 else None)
@@ -267,8 +271,9 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
     con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
             + (f" + {', '.join(extras)}" if extras else ""))
     window = "" if o.window is None else f", window {_window_text(o.window)}"
+    rule = "" if st.mask_mod is None else f", mask_mod {st.mask_mod.key}"
     con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout_name}, strategy "
-            f"{o.strategy}, engine {o.engine}, scale {scale}{window}{st.device_note}")
+            f"{o.strategy}, engine {o.engine}, scale {scale}{window}{rule}{st.device_note}")
 
 
 def _window_text(window: tuple) -> str:
@@ -327,6 +332,7 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "causal": st.options.causal,
             "scale": st.options.scale if st.options.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
             "softcap": st.options.softcap,
+            "mask_mod": None if st.mask_mod is None else st.mask_mod.key,
             "block_size": st.options.block_size, "engine": st.options.engine,
             "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
             "input_path": inp.info["path"], "input_size": inp.info["size"],
@@ -343,7 +349,7 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None,
 
     ``balanced``: :func:`mpiattn.balance` of the file's queries from the
     causal flag, the window, ``segment_ids`` (read whole by rank 0 and
-    broadcast, so every rank computes the same layout) and the tile rows
+    broadcast, so every rank computes the same layout), ``--mask-mod`` and the tile rows
     (``--block-size``, else the library's default), counting visible
     tiles; the keys share it when ``M == N``, else they are contiguous.
     """
@@ -351,11 +357,13 @@ def _layouts(c: Any, args: Any, path: str, causal: bool, window: tuple | None,
         lay = args.layout if args.layout != "auto" else ("zigzag" if causal else "contiguous")
         return lay, lay
     shapes, ids = io.reading.read_whole(path, "segment_ids", c, meta)
-    N, M = shapes["q"][2], shapes["k"][2]
+    B, H, N = shapes["q"][:3]
+    M = shapes["k"][2]
     with errors.alike():  # on data every rank holds
         lay = balance(N, c.size, causal=causal, window=window, segment_ids=ids,
                       block_size=args.block_size or DEFAULT_TILE,
-                      m=M if causal == "bottom-right" else None)
+                      m=M if causal == "bottom-right" else None,
+                      mask_mod=getattr(args, "mask_mod", None), batch=B, heads=H)
     return lay, (lay if M == N else "contiguous")
 
 
@@ -394,7 +402,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
                       machine=getattr(args, "machine", None),
                       block_size=args.block_size, softcap=getattr(args, "softcap", None),
                       check_finite=False)  # read_input checked them (unless --allow-nonfinite)
-    st = Settings(options, xp, note)
+    st = Settings(options, xp, note, mask_mod=getattr(args, "mask_mod", None))
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
     check_arguments(c, inp, st)
     io.check_space(output, output_bytes(inp, backward), c)  # before computing

@@ -5,6 +5,10 @@
     padding), the modifiers it uses, and their checks;
 ``modifiers``
     :class:`Modifiers`: softcap, ALiBi, ``attn_mask``, ``mask_mod`` (one rank's arrays);
+``maskmod``
+    :class:`MaskMod`, a ``mask_mod`` with a name, parameters and its own tile rule;
+``mods``
+    the named mask rules, one module each (``chunked``, ...), found by their registry;
 ``softcap``
     :class:`~mpiattn.masks.softcap.Softcap`, the one score transform ``c tanh(x / c)``: its
     formula and chain rule, which every kernel calls;
@@ -22,10 +26,11 @@
 from __future__ import annotations
 
 from .dense import visible
+from .maskmod import MaskMod
 from .modifiers import MODIFIERS, Modifiers
 from .spec import ALIGNMENTS, RULES, MaskSpec, check_causal, check_window, diagonal, softmax_scale
 from .tiles import BlockMask, QuerySide, block_mask, padding_bias
 
 __all__ = ["RULES", "ALIGNMENTS", "MaskSpec", "check_window", "check_causal", "diagonal",
            "softmax_scale", "BlockMask", "QuerySide", "block_mask", "padding_bias", "visible",
-           "MODIFIERS", "Modifiers"]
+           "MODIFIERS", "Modifiers", "MaskMod"]

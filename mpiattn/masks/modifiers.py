@@ -27,10 +27,11 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import backend
+from .maskmod import MaskMod
 from .softcap import Softcap
 
 __all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_slopes", "check_attn_mask",
-           "mask_kind", "check_mask_mod", "fold_tile"]
+           "mask_kind", "check_mask_mod", "mask_mod_identity", "fold_tile"]
 
 #: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
 MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
@@ -104,6 +105,15 @@ def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:
         raise ValueError(f"mask_mod returned shape {got.shape}, which does not broadcast to "
                          f"(B, H, q, k) = ({B}, {H}, 1, 1)") from None
     return fn
+
+
+def mask_mod_identity(fn: Callable) -> tuple:
+    """What the ranks compare of a ``mask_mod``: a :class:`~mpiattn.masks.maskmod.MaskMod`'s
+    text (name and parameters, ``("chunked:4096",)``), else a function's module and name (its
+    code cannot be compared)."""
+    if isinstance(fn, MaskMod):
+        return (fn.key,)
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__name__))
 
 
 def _indices(b: Any, h: Any, q: Any, k: Any) -> tuple:
@@ -202,6 +212,19 @@ class Modifiers:
         """Something is added to the scores: ALiBi or a float ``attn_mask``."""
         return self.alibi is not None or (self.attn_mask is not None
                                           and self.attn_mask.dtype != np.bool_)
+
+    def hull(self, q0: int, q1: int, k0: int, k1: int) -> str | None:
+        """What the hiding modifiers decide for every pair of queries ``[q0, q1]`` and keys
+        ``[k0, k1]`` (global, inclusive) without evaluating a pair: ``"none"`` (all hidden),
+        ``"all"`` (none hidden), or None (evaluate). Only a
+        :class:`~mpiattn.masks.maskmod.MaskMod` can tell; an ``attn_mask`` that hides leaves
+        "all" untold."""
+        if not isinstance(self.mask_mod, MaskMod):
+            return None
+        told = self.mask_mod.hull(int(q0), int(q1), int(k0), int(k1))
+        if told == "none" or (told == "all" and not self._mask_hides):
+            return told
+        return None
 
     def visible(self, heads: np.ndarray, rows: np.ndarray, q_pos: np.ndarray,
                 k_pos: np.ndarray) -> np.ndarray | None:

@@ -68,7 +68,9 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
         over broadcasting int64 arrays of global batch, head, query and key
         indices (FlexAttention's convention); combined by AND with every other
         rule. The same function on every rank: its module and name are
-        compared, its code is the caller's duty.
+        compared, its code is the caller's duty. A named rule of
+        :mod:`mpiattn.masks.mods` (e.g. ``mods.parse("chunked:4096")``) is compared
+        by its name and parameters, and skips the blocks and tiles it hides whole.
     alibi_slopes : ndarray, shape (H,) or (B, H), optional
         ALiBi: ``-slope[b, h] |i + d - j|`` is added to the scores (``d`` the
         diagonal: ``M - N`` with bottom-right causal, else 0).

@@ -28,7 +28,7 @@ from ..masks import QuerySide, diagonal
 from ..masks.counts import key_step_for, visible_keys
 from ..masks.ids import global_rows, local_ids
 from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, mask_kind,
-                               check_slopes)
+                               mask_mod_identity, check_slopes)
 from ..masks.sinks import check_sinks
 from . import machines, registry
 from .base import Strategy
@@ -183,8 +183,7 @@ def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
                                                     a.shape[0], a.shape[1])
     if scores.get("mask_mod") is not None:
         fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
-        agreed["mask_mod (its module and name)"] = (getattr(fn, "__module__", None),
-                                                    getattr(fn, "__qualname__", type(fn).__name__))
+        agreed["mask_mod (its rule, or its module and name)"] = mask_mod_identity(fn)
     return agreed
 
 

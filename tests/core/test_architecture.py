@@ -232,10 +232,11 @@ def parse_layers(text: str, package: str = PACKAGE) -> list[tuple[str | None, li
     A line is either ``name name < name ...`` (modules or packages of the
     package, relative to it; ``mpiattn`` is the package's own ``__init__``) or
     ``sub: name name < name ...`` (the modules of subpackage ``sub``, its
-    ``__init__`` above them all). ``<`` separates levels (lower first); names
-    on one level are peers. A module may import modules on lower lines, on
-    lower or the same level of its own line, and, inside its subpackage, on
-    lower or the same inner level. ``#`` starts a comment.
+    ``__init__`` above them all; a name there that is a package places its
+    modules beside it). ``<`` separates levels (lower first); names on one
+    level are peers. A module may import modules on lower lines, on lower or
+    the same level of its own line, and, inside its subpackage, on lower or
+    the same inner level. ``#`` starts a comment.
     """
     m = re.search(r"^```layers[ \t]*\n(.*?)^```", text, re.S | re.M)
     if not m:
@@ -278,6 +279,10 @@ def places(layers, modules: dict[str, str], package: str = PACKAGE) -> tuple[dic
                         problems.append(f"layer list: {sub}.{name} is no module")
                         continue
                     put(f"{pkg}.{name}", Place((li, 0, lj), f"{sub}: {name}"))
+                    if modules[f"{pkg}.{name}"].endswith("__init__.py"):  # a nested package: its
+                        for other in modules:                            # modules are its peers
+                            if other.startswith(f"{pkg}.{name}."):
+                                put(other, Place((li, 0, lj), f"{sub}: {name}"))
             put(pkg, Place((li, 0, len(levels)), f"{sub}: (__init__)"))
             continue
         for lj, level in enumerate(levels):
