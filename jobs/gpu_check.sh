@@ -65,7 +65,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     shift
     DRY=1
     export PYTHONPATH=$REPO/tests/fake_site${PYTHONPATH:+:$PYTHONPATH}
-    BENCH_ARGS=(--sizes 256 --heads 2 --dims 16 --dtypes float16 --repeat 1 --no-torch)
+    BENCH_ARGS=(--sizes 256 --heads 2 --dims 16 --dtypes float16 --repeat 1 --no-torch --gemm-size 128)
     SMALL=(--small)
 fi
 

@@ -68,6 +68,11 @@ def main() -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Bytecode is written (where the checkout is writable): the first session compiles the
+    # library and pytest rewrites the test modules once, and the later sessions, their ranks
+    # and the hundreds of jobs the tests launch read them (with PYTHONDONTWRITEBYTECODE set
+    # each of those compiled everything again: about 0.07 s a launch, 3-5 s a session)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     total = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     bad = []
     # data the sessions share (the contract suite's references: the same at every rank count)

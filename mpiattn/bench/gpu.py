@@ -62,6 +62,7 @@ class Options:
     impl: str = "auto"
     engines: tuple[str | None, ...] = (None,)
     torch: bool = True
+    gemm_size: int = 2048
 
 
 def plan(opts: Options, ranks: int) -> list[Task]:
@@ -74,7 +75,8 @@ def plan(opts: Options, ranks: int) -> list[Task]:
     tasks = []
     for N, E, dt in configs:
         base = Task(impl=opts.impl, H=opts.heads, N=N, E=E, dtype=dt, block=opts.block, device="gpu",
-                    repeat=opts.repeat if N == min(opts.sizes) else 1, warmup=0, ceilings=True, plan="gpu")
+                    repeat=opts.repeat if N == min(opts.sizes) else 1, warmup=0, ceilings=True, plan="gpu",
+                    gemm_size=opts.gemm_size)
         tasks += [base.replace(engine=engine) for engine in opts.engines]
         if opts.torch and ranks == 1:
             tasks.append(base.replace(impl=SDPA, ceilings=False))
@@ -210,10 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=list_of(engine_name), default=[None],
                     help=f"engines, side by side: {', '.join(engines.NAMES)}, default (engine= not passed)")
     ap.add_argument("--no-torch", action="store_true", help="no torch SDPA peer")
+    ap.add_argument("--gemm-size", type=positive, default=2048,
+                    help="edge of the square GEMM ceiling measured after each case (default 2048)")
     args = ap.parse_args(argv)
     opts = Options(out=args.out, budget_s=args.budget_s, sizes=tuple(args.sizes), heads=args.heads,
                    dims=tuple(args.dims), dtypes=tuple(args.dtypes), block=args.block, repeat=args.repeat,
-                   impl=args.impl, engines=tuple(args.engines), torch=not args.no_torch)
+                   impl=args.impl, engines=tuple(args.engines), torch=not args.no_torch,
+                   gemm_size=args.gemm_size)
     t0 = time.perf_counter()
     return run_suite(opts, lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True))
 

@@ -31,7 +31,7 @@ from ..comm.topology import Topology
 from ..inference import prefill
 from ..inference.decode import predict_step
 from ..kernels import engines
-from ..strategies import AttentionSpec, Options, machines, registry
+from ..strategies import AttentionSpec, Options, machines, model, registry
 from .common import UsageError
 
 __all__ = ["add_arguments", "cmd_plan", "build"]
@@ -122,8 +122,8 @@ def _inference(args: Any, Hkv: int, Ev: int, topo: Topology, machine: Any) -> di
     step = predict_step(P, t, M, between_nodes=topo.n_nodes > 1, **shape)
     one = predict_step(1, t, M, between_nodes=False, **shape)
     pre = prefill.choose(P, C, M, between_nodes=topo.n_nodes > 1, **shape)
-    pre_one_s = 2.0 * args.batch * args.heads * (args.dim + Ev) * (C * M + C * (C + 1) / 2) / \
-        machine.rate(args.dtype)  # one rank: the compute alone
+    pre_one_s = model.compute_time(prefill.flops(C, M, args.batch, args.heads, args.dim, Ev),
+                                   machine, args.dtype)  # one rank: the compute alone
     return {"cache": M, "new_tokens": t, "chunk": C,
             "decode": {**step, "one_rank_s": one["step_s"], "speedup": one["step_s"] / step["step_s"]},
             "prefill": {"variant": pre.variant, "pass_kv_s": pre.pass_kv_s, "pass_q_s": pre.pass_q_s,

@@ -425,9 +425,7 @@ class KVCache:
             if any(g["_keys"] not in (None, self.length + C) for g in got):
                 raise ValueError(f"attn_mask must span the cache and the chunk: its last axis must "
                                  f"be {self.length + C}")
-            for r, g in enumerate(got):
-                if not g["_engine"][0]:
-                    raise ValueError(f"engine {engine!r} cannot run on rank {r}: {g['_engine'][1]}")
+            engines.agreed_choice([g["_engine"] for g in got], engine)
             chosen, reason = variant, "requested"
             if variant == "auto":
                 ch = choose(c.size, C, self.length, s.B, int(q.shape[1]), s.Hkv, s.E, s.Ev,

@@ -138,10 +138,7 @@ class DecodePlan:
         scores = scores or {}
         got = c.agree(lambda: _local(shard, length_of(), q, dict(settings), scores), call=call)
         with errors.alike():
-            for r, g in enumerate(got):
-                if not g["_engine"][0]:
-                    raise ValueError(f"engine {settings.get('engine')!r} cannot run on rank {r}: "
-                                     f"{g['_engine'][1]}; use engine='native' or 'auto'")
+            engines.agreed_choice([g["_engine"] for g in got], settings.get("engine"))
         mine = got[c.rank]
         self.comm, self.shard, self._length_of = c, shard, length_of
         self.shape, self.dtype = tuple(q.shape), q.dtype

@@ -36,7 +36,7 @@ from .engine import Engine
 from .native_engine import FusedEngine, NativeEngine
 from .torch_engine import TorchEngine
 
-__all__ = ["ENGINES", "NAMES", "AUTO", "get", "local_choice"]
+__all__ = ["ENGINES", "NAMES", "AUTO", "get", "local_choice", "agreed_choice"]
 
 #: Every engine, by name.
 ENGINES: dict[str, Engine] = {e.name: e for e in (NativeEngine(), FusedEngine(), TorchEngine())}
@@ -70,3 +70,14 @@ def local_choice(requested: str, spec: Any) -> tuple[str, str]:
     engine = get(requested)
     why = engine.supports(spec) or engine.usable(spec.device)
     return (engine.name, "requested") if why is None else ("", why)
+
+
+def agreed_choice(choices: list[tuple[str, str]], requested: str) -> tuple[str, str]:
+    """The engine every rank uses, from every rank's :func:`local_choice` (gathered): the first
+    rank's, or the same ValueError on every rank naming the first rank where the requested
+    engine cannot run."""
+    for r, (name, why) in enumerate(choices):
+        if not name:
+            raise ValueError(f"engine {requested!r} cannot run on rank {r}: {why}; use "
+                             f"engine={AUTO[0]!r} or 'auto'")
+    return choices[0]

@@ -235,15 +235,6 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
             "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
 
 
-def _agree_engine(choices: list[tuple[str, str]], requested: str) -> tuple[str, str]:
-    """The engine every rank uses, from each rank's local choice (the same answer everywhere)."""
-    for r, (name, why) in enumerate(choices):
-        if not name:
-            raise ValueError(f"engine {requested!r} cannot run on rank {r}: {why}; use "
-                             f"engine={engines.AUTO[0]!r} or 'auto'")
-    return choices[0]
-
-
 def _key_layout(options: Options, N: int, M: int) -> Any:
     """The keys' layout (``kv_layout``, default ``layout``), checked against ``M``."""
     if options.kv_layout is not None:
@@ -306,7 +297,7 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         if bad:
             raise ValueError(f"attn_mask must span every key: its last axis must be M = {M} (the "
                              f"global key length), but rank {bad[0]} has {got[bad[0]]['_mask_keys']}")
-        engine_name, engine_reason = _agree_engine([g["_engine"] for g in got], options.engine)
+        engine_name, engine_reason = engines.agreed_choice([g["_engine"] for g in got], options.engine)
         tiles = [g["_tile"] for g in got if g["_tile"]]
         spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None,
                        mask=replace(here.mask, diagonal=diagonal(options.causal, N, M)))

@@ -96,7 +96,7 @@ def test_gpu_suite_on_the_fake_cupy(serial_only, tmp_path):
     """The GPU suite's code paths on ``tests/fake_cupy.py`` (what ``jobs/gpu_check.sh --dry-run`` runs)."""
     rc, text, err = _py("-m", "mpiattn.bench.gpu", "--out", str(tmp_path), "--sizes", "256,512", "--dims", "16",
                         "--dtypes", "float32", "--block", "64", "--budget-s", "120", "--engines", "default,native",
-                        PYTHONPATH=os.path.join(REPO, "tests", "fake_site"), timeout=300)
+                        "--gemm-size", "128", PYTHONPATH=os.path.join(REPO, "tests", "fake_site"), timeout=300)
     assert rc == 0, text + err
     recs = [json.loads(ln) for ln in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
     env = [r for r in recs if r["workload"] == "env"]
@@ -113,6 +113,7 @@ def test_gpu_suite_on_the_fake_cupy(serial_only, tmp_path):
         assert r["status"] == "ok" and r["device"] == "gpu" and r["time_s"] > 0, r
         assert r["strategy_used"] == "ring" and r["gemm_square_gflops_here"] > 0 and r["repeat"] == (
             3 if r["N"] == 256 else 1)
+        assert r["gemm_size"] == 128  # (--gemm-size: the ceiling's edge)
     assert "done in" in text
     rc, table, err = _py("-m", "mpiattn.bench.report", str(tmp_path / "gpu_bench.jsonl"))
     assert rc == 0 and "attention  float32  B=1 H=8 Hkv=8 E=16 Ev=16" in table and "gpu" in table, err
