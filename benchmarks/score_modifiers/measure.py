@@ -2,11 +2,15 @@
 
     python benchmarks/score_modifiers/measure.py cost          # one rank: softcap, sinks, ALiBi
     mpiexec -n P python benchmarks/score_modifiers/measure.py skip   # block-diagonal mask_mod
+    mpiexec -n P python benchmarks/score_modifiers/measure.py named  # a named rule vs its function
 
 ``cost``: N = 16384, H = 8, E = 64, float32, causal, the native engine: each modifier's
 forward and forward + backward time over the plain call's. ``skip``: a block-diagonal
 ``mask_mod`` of 16 blocks against the full (unmasked) forward at the same shape. Prints one
-JSON line per measurement (the best of ``--repeat`` runs). Run it on an idle machine, with
+JSON line per measurement (the best of ``--repeat`` runs). ``named``: causal attention with
+Llama 4's chunks of N/8 rows, as the named rule ``chunked`` (its tile rule decides blocks and
+tiles from their positions) and as a plain function of the same rule (evaluated tile by tile),
+against plain causal attention, forward and forward + backward. Run it on an idle machine, with
 one BLAS thread per rank.
 """
 
@@ -71,10 +75,42 @@ def skip(args):
                           "ratio": round(slow[1] / slow[0], 3)}), flush=True)
 
 
+def named(args):
+    from mpiattn.masks import mods
+
+    c = get_comm()
+    rng = np.random.default_rng(2)
+    N, H, E = args.N, 8, 64
+    Q, K, V, dO = (rng.standard_normal((1, H, N, E)).astype(np.float32) for _ in range(4))
+    q, k, v, do = (mpiattn.shard(x) for x in (Q, K, V, dO))
+    rule = mods.parse(f"chunked:{N // 8}")
+    as_function = lambda b, h, i, j: rule(b, h, i, j)  # noqa: E731 - the same rule, unnamed
+    opts = dict(causal=True, engine="native", strategy="ring", check_finite=False)
+    times = {}
+    for case, kw in (("causal", {}), ("named", {"mask_mod": rule}),
+                     ("function", {"mask_mod": as_function})):
+        c.barrier()
+        fwd = best(lambda: mpiattn.attention(q, k, v, **opts, **kw), args.repeat)
+        out, lse = mpiattn.attention(q, k, v, **opts, **kw)
+        c.barrier()
+        bwd = best(lambda: mpiattn.attention_backward(do, q, k, v, out, lse, **opts, **kw),
+                   args.repeat)
+        got = c.allgather_obj((fwd, fwd + bwd))
+        times[case] = (max(g[0] for g in got), max(g[1] for g in got))
+    if c.rank == 0:
+        base = times["causal"]
+        for case, (fwd, both) in times.items():
+            print(json.dumps({"case": f"{case} (chunked:{N // 8})" if case != "causal" else case,
+                              "N": N, "P": c.size, "forward_s": round(fwd, 3),
+                              "forward+backward_s": round(both, 3),
+                              "forward_ratio": round(fwd / base[0], 3),
+                              "forward+backward_ratio": round(both / base[1], 3)}), flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["cost", "skip"])
+    ap.add_argument("what", choices=["cost", "skip", "named"])
     ap.add_argument("--N", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
-    cost(a) if a.what == "cost" else skip(a)
+    {"cost": cost, "skip": skip, "named": named}[a.what](a)

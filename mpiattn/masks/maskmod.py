@@ -30,10 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["MaskMod", "VISIBILITIES", "check_count"]
-
-#: What :meth:`MaskMod.hull` may answer besides None: no pair, every pair, or some pairs visible.
-VISIBILITIES = ("none", "all", "some")
+__all__ = ["MaskMod", "check_count"]
 
 
 def check_count(owner: str, name: str, value: Any, least: int = 0) -> int:
