@@ -24,9 +24,11 @@ None.
 
 Refused, with one error on every rank: ``position_ids`` that are not this
 rank's global positions under the layout (the model would apply RoPE at local
-positions), attention dropout while training, a 4-D ``attention_mask``, and
+positions), attention dropout while training, a 4-D ``attention_mask``,
 keys that are not this rank's rows (a transformers cache: generate with
-:func:`generate` instead).
+:func:`generate` instead), and layers of a kind whose mask transformers builds
+itself and this adapter does not read (:data:`REFUSED_LAYERS`: Llama 4's
+``chunked_attention``).
 
 Generation (:func:`generate`, greedy): the prompt runs sharded and every
 layer keeps its rows' keys and values in a :class:`mpiattn.inference.KVCache`
@@ -55,10 +57,17 @@ import torch
 from ..layouts import all_segments, local_lengths, positions
 from .functions import attention
 
-__all__ = ["register", "NAME", "KeyPadding", "Generation", "generate"]
+__all__ = ["register", "NAME", "REFUSED_LAYERS", "KeyPadding", "Generation", "generate"]
 
 #: The default name of the attention implementation.
 NAME = "mpiattn"
+
+#: Layer kinds (a config's ``layer_types``) refused, and why.
+REFUSED_LAYERS = {
+    "chunked_attention": "masks chunks of attention_chunk_size keys that transformers builds into "
+                         "its own mask (Llama 4; its NoPE layers also scale the queries by local "
+                         "positions)",
+}
 
 
 class KeyPadding:
@@ -133,6 +142,15 @@ def _mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
     if attention_mask is None:
         return None
     return KeyPadding(~attention_mask.to(torch.bool))
+
+
+def _layer_kind(module: Any) -> str | None:
+    """The layer's kind in its config's ``layer_types`` (None where the config has none)."""
+    kinds = getattr(getattr(module, "config", None), "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not kinds or not isinstance(layer, int) or not 0 <= layer < len(kinds):
+        return None
+    return kinds[layer]
 
 
 def _agreed(comm: Any) -> Any:
@@ -237,6 +255,10 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
     causal = bool(getattr(module, "is_causal", True))
     layer = getattr(module, "layer_idx", None)
+    kind = _layer_kind(module)
+    if kind in REFUSED_LAYERS:  # (every rank runs the same layers: the same error everywhere)
+        raise ValueError(f"mpiattn.torch.hf: layer {layer} is a {kind!r} layer, which "
+                         f"{REFUSED_LAYERS[kind]}; not supported")
     if mpiattn_cache is not None and mpiattn_cache.decoding:
         out = mpiattn_cache.step(layer, query, key, value, causal=causal, window=window,
                                  scale=scaling, softcap=softcap, sinks=s_aux)

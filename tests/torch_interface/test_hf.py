@@ -148,6 +148,26 @@ def test_what_it_cannot_honour_is_refused_on_every_rank(comm):
         hf.register(causal=True)
 
 
+def test_a_layer_kind_it_cannot_mask_is_refused_on_every_rank(comm):
+    """Llama 4's chunked layers (transformers builds their mask itself): one error everywhere,
+    naming the layer, instead of attention over every earlier key."""
+    hf.register()
+    config = transformers.Llama4TextConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, intermediate_size_mlp=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=4,
+        no_rope_layers=[1, 0], max_position_embeddings=64)
+    assert config.layer_types == ["chunked_attention", "full_attention"]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf.NAME)
+    N = 3 * comm.size + 1
+    ids = mt.shard(torch.arange(N)[None] % 50, dim=1)
+    pos = mt.shard(torch.arange(N)[None], dim=1)
+    with pytest.raises(ValueError, match="layer 0 is a 'chunked_attention' layer") as info:
+        model(ids, position_ids=pos, use_cache=False)
+    seen = comm.allgather_obj(str(info.value))
+    assert all(s == seen[0] for s in seen)
+
+
 def _cache_with(model, ids):
     """A transformers cache already holding a few tokens (generation's second step)."""
     cache = transformers.DynamicCache(config=model.config)
