@@ -213,15 +213,20 @@ class Modifiers:
         return self.alibi is not None or (self.attn_mask is not None
                                           and self.attn_mask.dtype != np.bool_)
 
+    @property
+    def rule(self) -> MaskMod | None:
+        """The ``mask_mod`` when it is a named rule (:class:`~mpiattn.masks.maskmod.MaskMod`,
+        which tells whole tiles from their hulls), else None."""
+        return self.mask_mod if isinstance(self.mask_mod, MaskMod) else None
+
     def hull(self, q0: int, q1: int, k0: int, k1: int) -> str | None:
         """What the hiding modifiers decide for every pair of queries ``[q0, q1]`` and keys
         ``[k0, k1]`` (global, inclusive) without evaluating a pair: ``"none"`` (all hidden),
-        ``"all"`` (none hidden), or None (evaluate). Only a
-        :class:`~mpiattn.masks.maskmod.MaskMod` can tell; an ``attn_mask`` that hides leaves
-        "all" untold."""
-        if not isinstance(self.mask_mod, MaskMod):
+        ``"all"`` (none hidden), or None (evaluate). Only a :attr:`rule` can tell; an
+        ``attn_mask`` that hides leaves "all" untold."""
+        if self.rule is None:
             return None
-        told = self.mask_mod.hull(int(q0), int(q1), int(k0), int(k1))
+        told = self.rule.hull(int(q0), int(q1), int(k0), int(k1))
         if told == "none" or (told == "all" and not self._mask_hides):
             return told
         return None

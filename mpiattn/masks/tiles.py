@@ -215,10 +215,11 @@ class BlockMask:
         vis = self._positional_visibility(i0, i1, j0, j1)
         if vis == "none" or self.mods is None or not self.mods.hides:
             return vis
-        qs, ks = self._side("q", i0, i1), self._side("k", j0, j1)
-        told = self.mods.hull(qs.pmin, qs.pmax, ks.pmin, ks.pmax)  # a MaskMod's own tile rule
-        if told is not None:
-            return "none" if told == "none" else vis
+        if self.mods.rule is not None:  # a named rule tells whole tiles from their hulls
+            qs, ks = self._side("q", i0, i1), self._side("k", j0, j1)
+            told = self.mods.hull(qs.pmin, qs.pmax, ks.pmin, ks.pmax)
+            if told is not None:
+                return "none" if told == "none" else vis
         ok = self.mod_visible(i0, i1, j0, j1)
         if ok is None:
             return "some"
