@@ -75,6 +75,9 @@ def shared_dir(comm):
 def pytest_addoption(parser):
     parser.addoption("--launches-only", action="store_true", default=False,
                      help="in one process, run only the tests that launch their own MPI jobs")
+    parser.addoption("--soak", type=float, default=None, metavar="SECONDS",
+                     help="the search over the contract (tests/attention/test_property.py) runs "
+                          "for SECONDS, in rounds of new seeds, instead of its fixed budget")
 
 
 #: The fixtures that make a test one of several ranks (it runs at every rank count).

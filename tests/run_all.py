@@ -65,6 +65,9 @@ def main() -> int:
     elif "OPEN MPI" in library.upper():
         env.setdefault("OMPI_MCA_btl", "self,sm")  # one node: no ~1 s probe of network transports per start
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")  # waiting ranks yield their core
+    # every collective of every Comm (the suite's and the jobs it launches) first compares its
+    # call site across the ranks (mpiattn.comm.discipline): a mismatch fails, not hangs
+    env.setdefault("MPIATTN_CHECK_COLLECTIVES", "120")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -16,6 +16,8 @@
 #     splits and the double ring);
 #   * interleaved (-per-host 1: nodes {0,2}, {1,3}): topology, traffic and the contract suite of
 #     the two-level strategies without the shape sweep;
+#   * the search over the contract (tests/attention/test_property.py: hypothesis' drawn calls,
+#     40 of them, in the collective checking mode);
 #   * the fault cases, from outside the cluster (tests/two_hosts/test_faults.py: SIGKILL of one
 #     host's ranks, the link cut during a ring step, SIGTERM to the launcher during a write);
 #   * Open MPI over the same hosts (plm_rsh_agent), when the openmpi lane left its venv.
@@ -84,6 +86,12 @@ pytest_on 200 interleaved -per-host 1 -n 4 -- tests/core/test_topology.py tests/
     tests/attention/test_contract.py -k "not test_contract or ((double-ring or hybrid) and not flash)"
 interleaved_rc=$?
 
+step "on 2 hosts x 2 ranks: the search over the contract (tests/attention/test_property.py, 40 calls)"
+export MPIATTN_PROPERTY_EXAMPLES=40
+pytest_on 300 search -n 4 -- -s tests/attention/test_property.py
+search_rc=$?
+unset MPIATTN_PROPERTY_EXAMPLES
+
 step "fault cases, from outside the cluster"
 LOGS+=("$LANE_TMP/faults.log")
 timeout -k 10 240 "$PY" -m pytest --with-mpi -q -p no:cacheprovider -rfE -s tests/two_hosts/test_faults.py \
@@ -106,6 +114,7 @@ sum_summaries "${LOGS[@]}"
 bash "$CLUSTER" counters
 [[ $blocks_rc == 0 ]] || verdict FAIL "pytest on 2 hosts x 2 ranks exited $blocks_rc: $(suite_summary "$LANE_TMP/blocks.log")"
 [[ $interleaved_rc == 0 ]] || verdict FAIL "pytest on interleaved hosts exited $interleaved_rc"
+[[ $search_rc == 0 ]] || verdict FAIL "the search over the contract on 2 hosts exited $search_rc: $(suite_summary "$LANE_TMP/search.log")"
 [[ $faults_rc == 0 ]] || verdict FAIL "the fault cases exited $faults_rc: $(suite_summary "$LANE_TMP/faults.log")"
 [[ $ompi_rc == 0 ]] || verdict FAIL "Open MPI over the two hosts failed (exit $ompi_rc)"
 verdict PASS

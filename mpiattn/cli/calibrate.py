@@ -44,6 +44,7 @@ import numpy as np
 
 from ..strategies import machines
 from ..strategies.machines import Link, Machine
+from . import argtypes
 from .links import NOT_MEASURED, measure_links, transfer_overlap
 
 __all__ = ["add_arguments", "cmd_calibrate"]
@@ -51,8 +52,9 @@ __all__ = ["add_arguments", "cmd_calibrate"]
 DTYPES = ("float64", "float32", "float16")
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int: Any) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``calibrate``."""
+    positive_int = argtypes.positive_int
     p.add_argument("-o", "--output", default="mpiattn-machine.json",
                    help="JSON file to write (default ./mpiattn-machine.json)")
     p.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")

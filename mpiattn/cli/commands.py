@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -98,7 +99,7 @@ def _make_data(c: Any, con: Console, output: str, spec_kw: dict, causal: bool,
                sinks: bool = False, alibi: bool = False) -> tuple[Any, dict]:
     spec = datagen.Spec(**spec_kw)
     timer = run_timer(c, con)
-    nbytes = sum(int(np.prod(shape, dtype=np.int64))
+    nbytes = sum(math.prod(shape)  # Python ints: an absurd shape must not wrap round to "it fits"
                  * {"key_padding_mask": 1, "segment_ids": 8}.get(name, np.dtype(spec.dtype).itemsize)
                  for name, (shape, _) in spec.datasets().items())
     prepare_output(c, con, output, force, nbytes)  # before generating anything

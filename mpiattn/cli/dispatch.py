@@ -37,6 +37,8 @@ from typing import Any, Iterator
 
 from ..comm.errors import Agreed
 from ..comm.node import OversubscriptionWarning
+from ..strategies import machines, registry
+from ..strategies.machines import MachineFileError
 from .calibrate import cmd_calibrate
 from .commands import cmd_clean, cmd_example, cmd_info, cmd_make_data, cmd_run
 from .inference import cmd_decode, cmd_prefill
@@ -44,7 +46,7 @@ from .plan import cmd_plan
 from .common import PLUGINS, Console, UsageError, world_rank
 from .parser import build_parser
 from .quiet import QuietReleases
-from .startup import init_mpi
+from .startup import NoMPI, init_mpi
 from . import resources, signals
 
 #: Commands that compute or write, and so check the launch and set the BLAS threads.
@@ -68,7 +70,12 @@ def main(argv: list[str] | None = None, *, watcher: Any = None) -> int:
     """
     program = argv is None
     if program:
-        init_mpi()  # until it returns, a signal ends the process at once
+        try:
+            init_mpi()  # until it returns, a signal ends the process at once
+        except NoMPI as exc:
+            if resources.launcher_rank() in (None, 0):
+                print(f"mpiattn: error: {exc}", file=sys.stderr, flush=True)
+            return 1
     rank = world_rank()
     guard = signals.install(watcher) if program else None
     con = Console(rank, guard=guard)
@@ -128,6 +135,7 @@ def _main(args: Any, con: Console) -> int:
                 args.threads_info = threads
                 if threads.source == resources.REQUESTED:  # the user chose: no advice against it
                     warnings.simplefilter("ignore", OversubscriptionWarning)
+                _machine_checked(args)
             yielding = contextlib.nullcontext()
             if con.guard is not None and args.command in _WORKING:  # an error that echoes a
                 from .steps import world_comm                      # signal says nothing
@@ -144,11 +152,24 @@ def _main(args: Any, con: Console) -> int:
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
         if isinstance(exc, Agreed):  # raised alike on every rank: every rank returns 1
             con.error(str(exc) or type(exc).__name__, isinstance(exc, (OSError, MemoryError)))
-            return 1
+            return 2 if isinstance(exc, MachineFileError) else 1  # (a bad machine: bad input)
         return _unexpected(exc, con)
     finally:
         if threads is not None:
             threads.restore()
+
+
+def _machine_checked(args: Any) -> None:
+    """The machine file the cost model would read (``--machine``, else ``$MPIATTN_MACHINE``),
+    read whole on every rank before any work: a bad one raises the same
+    :class:`mpiattn.strategies.machines.MachineFileError` on every rank (exit code 2). Only
+    where the strategy leaves the model a choice, as the library reads it only then."""
+    if not hasattr(args, "machine") or not registry.needs_choice(args.strategy):
+        return
+    from .steps import world_comm
+
+    with world_comm().collective_errors():
+        machines.load(machines.resolve_name(args.machine, "numpy"))  # (a default is a profile)
 
 
 @contextlib.contextmanager

@@ -55,14 +55,17 @@ from .. import __version__
 from .. import backend, gpu, io
 from ..comm import errors
 from ..inference import PAGE_ROWS, KVCache
-from ..inference.placement import check_page
+from ..inference.decode import step_spec
 from ..io import kvstore
-from ..io.schema import WHOLE_DATASETS, check_whole, promoted_shape
+from ..io.schema import WHOLE_DATASETS, check_dtype, check_whole, promoted_shape
 from ..kernels import engines
 from ..layouts import Layout, all_segments
+from ..masks.modifiers import mask_kind
 from ..strategies import Options, attention
+from . import argtypes
 from .common import Console
-from .steps import prepare_output, rows_of_rank0, run_timer, select_device, world_comm
+from .steps import (Settings, check_engine, check_results, prepare_output, rows_of_rank0, run_timer,
+                    select_device, world_comm)
 
 __all__ = ["add_arguments", "cmd_prefill", "cmd_decode"]
 
@@ -74,25 +77,25 @@ _NO_MASK = ("a mask belongs to the queries it comes with, not to a cache that gr
             "prompt's in prefill's input, a step's in decode's --queries file")
 
 
-def add_arguments(sub: Any, positive_int: Callable, window: Callable,
-                  positive_float: Callable) -> None:
+def add_arguments(sub: Any) -> None:
     """Add the ``prefill`` and ``decode`` sub-commands to the parser's ``sub``."""
     pre = sub.add_parser("prefill", help="attention over a prompt, kept as a key/value cache file")
     pre.add_argument("input", help="HDF5 file with the prompt's q, k, v (one length) [, sinks, "
                                    "alibi_slopes]")
     pre.add_argument("-o", "--output", required=True, help="the cache file to write (k, v, out, lse)")
-    pre.add_argument("--window", type=window, default=None, metavar="L,R",
+    pre.add_argument("--window", type=argtypes.window, default=None, metavar="L,R",
                      help="sliding window (default: the input's 'window' attribute); kept in the cache")
-    pre.add_argument("--scale", type=float, default=None, help="softmax scale (default: the input's "
-                     "'scale' attribute, else 1/sqrt(E)); kept in the cache")
-    pre.add_argument("--softcap", type=positive_float, default=None, metavar="C",
+    pre.add_argument("--scale", type=argtypes.finite_float, default=None,
+                     help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E)); "
+                          "kept in the cache")
+    pre.add_argument("--softcap", type=argtypes.positive_float, default=None, metavar="C",
                      help="cap the scores: C tanh(scale q.k / C) (Gemma 2); kept in the cache")
     pre.add_argument("--layout", choices=("contiguous", "zigzag"), default="contiguous",
                      help="rows per rank for the prompt (default contiguous)")
-    pre.add_argument("--page", type=_page, default=PAGE_ROWS,
+    pre.add_argument("--page", type=argtypes.page, default=PAGE_ROWS,
                      help=f"rows per page of later appends (default {PAGE_ROWS})")
     pre.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None)
-    _common(pre, positive_int)
+    _common(pre)
 
     dec = sub.add_parser("decode", help="new queries against a key/value cache file (and append them)")
     dec.add_argument("cache", help="a cache file written by prefill (or by decode --append)")
@@ -101,31 +104,23 @@ def add_arguments(sub: Any, positive_int: Callable, window: Callable,
     dec.add_argument("-o", "--output", required=True, help="HDF5 file to write (out, lse)")
     dec.add_argument("--append", action="store_true",
                      help="append the queries' k, v to the cache first, then replace the cache file")
-    dec.add_argument("--window", type=window, default=None, metavar="L,R",
+    dec.add_argument("--window", type=argtypes.window, default=None, metavar="L,R",
                      help="sliding window (default: the cache's 'window' attribute)")
-    dec.add_argument("--scale", type=float, default=None,
+    dec.add_argument("--scale", type=argtypes.finite_float, default=None,
                      help="softmax scale (default: the cache's 'scale' attribute, else 1/sqrt(E))")
-    dec.add_argument("--softcap", type=positive_float, default=None, metavar="C",
+    dec.add_argument("--softcap", type=argtypes.positive_float, default=None, metavar="C",
                      help="cap the scores (default: the cache's 'softcap' attribute; a value "
                           "other than the cache's is refused)")
-    _common(dec, positive_int)
+    _common(dec)
 
 
-def _page(text: str) -> int:
-    import argparse
-
-    try:
-        return check_page(int(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _common(p: Any, positive_int: Callable) -> None:
+def _common(p: Any) -> None:
     p.add_argument("--engine", choices=engines.NAMES, default="auto", help="local kernels")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="cpu",
                    help="where to compute (default cpu)")
     p.add_argument("--gpu-transport", choices=("auto", "cuda-aware", "staged", "nccl"), default=None)
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help="BLAS threads per rank")
+    p.add_argument("--threads", type=argtypes.positive_int, default=None, metavar="N",
+                   help="BLAS threads per rank")
     p.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="accept NaN or Inf in the inputs and the cache (they propagate)")
@@ -176,11 +171,14 @@ def cmd_prefill(args: Any, con: Console) -> int:
     finite = not args.allow_nonfinite
     options = Options(causal=True, window=window, scale=scale, softcap=args.softcap,
                       layout=args.layout, engine=args.engine, check_finite=finite)
+    check_engine(args.engine, Settings(options, xp).spec(inp))  # as run: before any work
     mods = {name: getattr(inp, name) for name in WHOLE_DATASETS if getattr(inp, name) is not None}
     used: dict = {}
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, options=options, details=used, attn_mask=inp.attn_mask,
                              progress=con.progress("forward"), **mods)
+    if finite:
+        check_results(c, {"out": backend.to_host(out), "lse": backend.to_host(lse)})
     cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
     extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
              "lse": io.Rows(backend.to_host(lse), N, 2, args.layout),
@@ -237,6 +235,11 @@ def cmd_decode(args: Any, con: Console) -> int:
         softcap, mods = _modifiers(args, meta, {n: new.pop(n) for n in WHOLE_DATASETS if n in new},
                                    new["q"].shape)
         with errors.alike():
+            if "attn_mask" in new:  # as run and prefill read it: boolean or floating point
+                try:
+                    check_dtype("attn_mask", new["attn_mask"].dtype)
+                except TypeError as exc:
+                    raise TypeError(f"{args.queries}: {exc}") from None
             if args.append and not {"k", "v"} <= set(new):
                 raise ValueError(f"--append needs the new tokens' k and v in {args.queries}")
             if args.append and not new["q"].shape[2:3] == new["k"].shape[2:3] == new["v"].shape[2:3]:
@@ -248,6 +251,12 @@ def cmd_decode(args: Any, con: Console) -> int:
     window = meta["window"] if args.window is None else args.window
     scale = meta["scale"] if args.scale is None else args.scale
     move = _mover(c, xp)
+    q = move(new["q"])
+    if q.ndim == 4:  # (another shape is the library's to refuse, exit 1)
+        length = cache.length + (q.shape[2] if args.append else 0)
+        check_engine(args.engine, step_spec(cache.shard, length, q, Options(
+            causal=True, window=window, scale=scale, softcap=softcap), alibi="alibi_slopes" in mods,
+            sinks="sinks" in mods, attn_mask=mask_kind(new.get("attn_mask"))))
     used: dict = {}
     with timer.phase("forward"):
         if args.append:
@@ -257,9 +266,11 @@ def cmd_decode(args: Any, con: Console) -> int:
             with errors.alike():  # (read whole: the same on every rank)
                 mask = mask.reshape(promoted_shape("attn_mask", mask.shape))
             mask = mask if mask.dtype == np.bool_ else mask.astype(np.float64, copy=False)
-        out, lse = cache.attend(move(new["q"]), window=window, scale=scale, softcap=softcap,
+        out, lse = cache.attend(q, window=window, scale=scale, softcap=softcap,
                                 attn_mask=mask, engine=args.engine, check_finite=finite,
                                 details=used, **mods)
+    if finite:
+        check_results(c, {"out": backend.to_host(out), "lse": backend.to_host(lse)})
     t = int(out.shape[2])
     mine = Layout([[(0, t)]] + [[] for _ in range(c.size - 1)])  # rank 0 writes the replicated result
     keep = slice(None) if c.rank == 0 else slice(0, 0)

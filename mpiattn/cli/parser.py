@@ -5,120 +5,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import math
-from typing import Any
-
 
 from .. import __version__
+from ..comm.watchdog import MIN_TIMEOUT_S
 from ..kernels import engines
-from ..masks import ALIGNMENTS, check_causal, mods
+from ..masks import mods
 from ..strategies import machines, registry
 from . import calibrate, inference, plan
+from .argtypes import (causal_alignment, finite_float, fraction, mask_mod, nonneg_int,
+                       positive_float, positive_int, seed, strategy, watchdog_seconds, window)
 from .common import EXAMPLE_OUTPUT, PLUGINS, Parser
-
-
-
-# ----------------------------------------------------------------- argument types
-#: Largest value of a size option (rows, heads, features, block, threads): a C int.
-MAX_SIZE = 2**31 - 1
-#: Largest seed (stored as a 64-bit attribute).
-MAX_SEED = 2**63 - 1
-
-
-def _int_at_least(low: int, high: int = MAX_SIZE):
-    """An argparse type: an integer in ``[low, high]`` (decimal digits only)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
-_seed = _int_at_least(0, MAX_SEED)
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _finite_float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
-
-
-def causal_alignment(text: str) -> bool | str:
-    """An argparse type: ``top-left`` (True) or ``bottom-right`` (:data:`mpiattn.masks.ALIGNMENTS`)."""
-    if text not in ALIGNMENTS:
-        raise argparse.ArgumentTypeError(f"expected {' or '.join(ALIGNMENTS)}, got {text!r}")
-    return check_causal(text)
-
-
-def _strategy(text: str) -> str:
-    """``auto``, a registered strategy, or one with its configuration (``hybrid:2x2``)."""
-    if text != "auto":
-        try:
-            registry.get(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _mask_mod(text: str) -> Any:
-    """``NAME:PARAMS``: a rule of :mod:`mpiattn.masks.mods` (e.g. ``chunked:4096``)."""
-    try:
-        return mods.parse(text)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _window(text: str) -> tuple:
-    """``L,R`` -> (left, right): ints >= 0, ``none`` (or empty) for no bound on that side."""
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (e.g. 1024,0 or none,16), got {text!r}")
-    out = []
-    for side, part in zip(("left", "right"), parts):
-        part = part.strip().lower()
-        if part in ("", "none"):
-            out.append(None)
-            continue
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"window {side}: expected an integer or none, got {part!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"window {side} must be >= 0, got {value}")
-        out.append(value)
-    return tuple(out)
 
 
 # ----------------------------------------------------------------- the parser
 def _add_compute_options(p: argparse.ArgumentParser) -> None:
 
-    p.add_argument("--strategy", type=_strategy, default="auto", metavar="NAME",
+    p.add_argument("--strategy", type=strategy, default="auto", metavar="NAME",
                    help="distributed algorithm: " + "; ".join(
                        f"{name}" + ("" if s.auto else " (never chosen by auto)")
                        for name, s in registry.STRATEGIES.items())
@@ -135,7 +37,7 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=engines.NAMES, default="auto",
                    help="local kernels: " + ", ".join(engines.ENGINES)
                    + f" (default auto: {engines.AUTO[0]}, the reference)")
-    p.add_argument("--block-size", type=_positive_int, default=None, metavar="ROWS",
+    p.add_argument("--block-size", type=positive_int, default=None, metavar="ROWS",
                    help="rows per exchanged key/value block and score tile (default 512)")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto",
                    help="where to compute: cpu (NumPy), gpu (CuPy, one GPU per rank), "
@@ -148,13 +50,14 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_watchdog_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--watchdog", type=_positive_float, default=None, metavar="SECONDS",
+    p.add_argument("--watchdog", type=watchdog_seconds, default=None, metavar="SECONDS",
                    help="end the job when a rank has heard nothing from another for this long "
-                        "(a lost host or a cut network; mpiattn.comm.watchdog). Default: off")
+                        f"(a lost host or a cut network; mpiattn.comm.watchdog; at least "
+                        f"{MIN_TIMEOUT_S:g}). Default: off")
 
 
 def _add_threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="BLAS threads per rank (default: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS "
                         "or MKL_NUM_THREADS when set, else the node's cores / its ranks)")
 
@@ -191,14 +94,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                              "keys j <= i) or bottom-right (j <= i + M - N); default: the "
                              "input's 'causal' attribute, else off")
     causal.add_argument("--no-causal", dest="causal", action="store_false")
-    run.add_argument("--window", type=_window, default=None, metavar="L,R",
+    run.add_argument("--window", type=window, default=None, metavar="L,R",
                      help="sliding window: query i sees keys i-L..i+R (none = unbounded side; "
                           "default: the input's 'window' attribute, else no window)")
-    run.add_argument("--scale", type=_finite_float, default=None,
+    run.add_argument("--scale", type=finite_float, default=None,
                      help="softmax scale (default: the input's 'scale' attribute, else 1/sqrt(E))")
-    run.add_argument("--softcap", type=_positive_float, default=None, metavar="C",
+    run.add_argument("--softcap", type=positive_float, default=None, metavar="C",
                      help="cap the scores: C tanh(scale q.k / C) (Gemma 2)")
-    run.add_argument("--mask-mod", type=_mask_mod, default=None, metavar="NAME:PARAMS",
+    run.add_argument("--mask-mod", type=mask_mod, default=None, metavar="NAME:PARAMS",
                      help="a named mask rule, combined with the others by AND: "
                           f"{', '.join(mods.names())} (e.g. chunked:4096; see mpiattn.masks.mods)")
     run.add_argument("--dtype", choices=("float16", "float32", "float64"), default=None,
@@ -208,7 +111,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run.add_argument("--check", action="store_true",
                      help="compare with a float64 single-process reference on gathered data, "
                           "before writing: a failed check writes no output")
-    run.add_argument("--check-limit-gib", type=_positive_float, default=4.0, metavar="GIB",
+    run.add_argument("--check-limit-gib", type=positive_float, default=4.0, metavar="GIB",
                      help="skip --check when the reference would need more memory on rank 0 "
                           "(default 4)")
     run.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
@@ -219,29 +122,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     mk = sub.add_parser("make-data", help="write a random input file, in parallel, deterministic "
                         "for a seed whatever the number of ranks")
     mk.add_argument("output", help="HDF5 file to write")
-    mk.add_argument("--batch", type=_positive_int, default=1, help="B (default 1)")
-    mk.add_argument("--heads", type=_positive_int, default=4, help="H query heads (default 4)")
-    mk.add_argument("--kv-heads", type=_positive_int, default=None, help="Hkv (default H)")
-    mk.add_argument("--seq", type=_positive_int, default=1024, help="N query rows (default 1024)")
-    mk.add_argument("--kv-seq", type=_positive_int, default=None, help="M key rows (default N)")
-    mk.add_argument("--dim", type=_positive_int, default=64, help="E (default 64)")
-    mk.add_argument("--value-dim", type=_positive_int, default=None, help="Ev (default E)")
+    mk.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    mk.add_argument("--heads", type=positive_int, default=4, help="H query heads (default 4)")
+    mk.add_argument("--kv-heads", type=positive_int, default=None, help="Hkv (default H)")
+    mk.add_argument("--seq", type=positive_int, default=1024, help="N query rows (default 1024)")
+    mk.add_argument("--kv-seq", type=positive_int, default=None, help="M key rows (default N)")
+    mk.add_argument("--dim", type=positive_int, default=64, help="E (default 64)")
+    mk.add_argument("--value-dim", type=positive_int, default=None, help="Ev (default E)")
     mk.add_argument("--dtype", choices=("float16", "float32", "float64"), default="float32")
     mk.add_argument("--with-dout", action="store_true", help="add dout (requests the backward)")
-    mk.add_argument("--padding", type=_fraction, default=0.0, metavar="FRAC",
+    mk.add_argument("--padding", type=fraction, default=0.0, metavar="FRAC",
                     help="add a key_padding_mask with this fraction of padding keys")
-    mk.add_argument("--docs", type=_nonneg_int, default=0, metavar="MEAN_LEN",
+    mk.add_argument("--docs", type=nonneg_int, default=0, metavar="MEAN_LEN",
                     help="add segment_ids: packed documents of this mean length (needs --kv-seq = --seq)")
-    mk.add_argument("--window", type=_window, default=None, metavar="L,R",
+    mk.add_argument("--window", type=window, default=None, metavar="L,R",
                     help="set the file's window attribute")
     mk.add_argument("--causal", nargs="?", const=True, default=False, type=causal_alignment,
                     metavar="ALIGN", help="set the file's causal attribute (top-left or "
                                           "bottom-right; alone: top-left)")
-    mk.add_argument("--scale", type=_finite_float, default=None, help="set the file's scale attribute")
+    mk.add_argument("--scale", type=finite_float, default=None, help="set the file's scale attribute")
     mk.add_argument("--sinks", action="store_true", help="add sinks (H,): one per query head")
     mk.add_argument("--alibi", action="store_true",
                     help="add alibi_slopes (H,): the geometric slopes 2^(-8 h / H) of the ALiBi paper")
-    mk.add_argument("--seed", type=_seed, default=0)
+    mk.add_argument("--seed", type=seed, default=0)
     mk.add_argument("--force", "-f", action="store_true", help="overwrite an existing output")
     _add_watchdog_option(mk)
     mk.add_argument("--quiet", "-q", action="store_true")
@@ -255,15 +158,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     clean.add_argument("directory", nargs="?", default=".", help="directory (default: the current one)")
     clean.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
-    inference.add_arguments(sub, _positive_int, _window, _positive_float)
+    inference.add_arguments(sub)
 
     pl = sub.add_parser("plan", help="predict every strategy's time, traffic and memory for a "
                         "problem on a machine, and show what auto picks (runs nothing)")
-    plan.add_arguments(pl, _positive_int, _window)
+    plan.add_arguments(pl)
 
     cal = sub.add_parser("calibrate", help="measure this allocation's links and compute rates for "
                          "the cost model and write them as JSON")
-    calibrate.add_arguments(cal, _positive_int)
+    calibrate.add_arguments(cal)
     _add_threads_option(cal)
 
     for name, (module, text) in PLUGINS.items():

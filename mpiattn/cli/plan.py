@@ -32,16 +32,24 @@ from ..inference import prefill
 from ..inference.decode import predict_step
 from ..kernels import engines
 from ..strategies import AttentionSpec, Options, machines, model, registry
+from . import argtypes
 from .common import UsageError
 
 __all__ = ["add_arguments", "cmd_plan", "build"]
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 MiB, GiB = 2.0**20, 2.0**30
+#: The most ranks (``--nodes`` x ``--ranks-per-node``) a plan models: far more than one
+#: attention's communicator spans today, and few enough that the plan takes a fraction of a
+#: second (the model's work per rank is vectorised; the layouts' rows are listed per rank).
+MAX_RANKS = 2**16
+#: The argparse type of ``--nodes`` and ``--ranks-per-node``.
+_ranks = argtypes.int_in(1, MAX_RANKS)
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int: Any, window: Any) -> None:
-    """The options of ``plan`` (``positive_int`` and ``window``: the parser's argument types)."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``plan``."""
+    positive_int, window = argtypes.positive_int, argtypes.window
     g = p.add_argument_group("the problem")
     g.add_argument("--seq", type=positive_int, required=True, help="N, query rows")
     g.add_argument("--kv-seq", type=positive_int, default=None, help="M, key rows (default N)")
@@ -56,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser, positive_int: Any, window: Any) ->
     g.add_argument("--block-size", type=positive_int, default=None, metavar="ROWS",
                    help="rows per exchanged block (default: the engine's preference)")
     m = p.add_argument_group("the machine")
-    m.add_argument("--nodes", type=positive_int, default=1, help="nodes (default 1)")
-    m.add_argument("--ranks-per-node", type=positive_int, default=8,
+    m.add_argument("--nodes", type=_ranks, default=1,
+                   help=f"nodes (default 1; nodes x ranks per node at most {MAX_RANKS})")
+    m.add_argument("--ranks-per-node", type=_ranks, default=8,
                    help="ranks (GPUs) per node (default 8)")
     hw = m.add_mutually_exclusive_group()
     hw.add_argument("--hardware", choices=tuple(machines.PROFILES), default=None,
@@ -82,6 +91,9 @@ def build(args: Any) -> dict:
                  if v is not None]
         raise UsageError(f"{' and '.join(given)} describe{'s' if len(given) == 1 else ''} inference "
                          "against a cache: give --cache M too")
+    if args.nodes * args.ranks_per_node > MAX_RANKS:
+        raise UsageError(f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node} = "
+                         f"{args.nodes * args.ranks_per_node} ranks; plan models at most {MAX_RANKS}")
     try:
         machine = machines.load(machines.resolve_name(args.hardware or args.calibration, "cupy"))
     except ValueError as exc:

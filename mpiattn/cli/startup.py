@@ -34,7 +34,7 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["SIGNALS", "Watcher", "init_mpi"]
+__all__ = ["SIGNALS", "Watcher", "NoMPI", "init_mpi"]
 
 #: The signals that end a run cleanly.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -150,6 +150,29 @@ class Watcher:
             signal.signal(s, signal.SIG_IGN)
 
 
+class NoMPI(RuntimeError):
+    """mpi4py cannot load an MPI library (the program's one error line, exit code 1)."""
+
+
+def _load_mpi() -> Any:
+    """``mpi4py.MPI``, imported to leave MPI's initialisation to :func:`init_mpi` (unless imported
+    before), or :class:`NoMPI` saying how to get an MPI library (no traceback: a venv without the
+    ``mpich`` extra and no site MPI fails here, in mpi4py's import)."""
+    try:
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.initialize = False
+            mpi4py.rc.finalize = True
+        from mpi4py import MPI
+    except (ImportError, OSError, RuntimeError) as exc:
+        why = "; ".join(line.strip() for line in str(exc).splitlines()
+                        if line.strip() and line.strip() != "cannot load MPI library")
+        raise NoMPI(f"mpi4py cannot load an MPI library ({why or type(exc).__name__}): install one "
+                    "with `pip install mpich` (or build mpi4py against your site MPI)") from None
+    return MPI
+
+
 def init_mpi() -> None:
     """Initialise MPI (``MPI_THREAD_MULTIPLE``) with Python's lock released, unless it runs already.
 
@@ -157,15 +180,9 @@ def init_mpi() -> None:
     at exit (``mpi4py.rc.finalize``) and its communicators raise Python
     exceptions on MPI errors. Where the MPI library's symbol cannot be found,
     mpi4py initialises MPI as usual (a signal during that step then waits
-    for it to end).
+    for it to end). Raises :class:`NoMPI` when mpi4py finds no MPI library.
     """
-    import mpi4py
-
-    if "mpi4py.MPI" not in sys.modules:
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = True
-    from mpi4py import MPI
-
+    MPI = _load_mpi()
     if MPI.Is_initialized():
         return
     try:

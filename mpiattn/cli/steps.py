@@ -253,6 +253,20 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
     return f"max error vs float64 (scaled by the operands): {text} (tolerance {tol:g}) OK"
 
 
+def check_results(c: Any, results: dict[str, np.ndarray]) -> None:
+    """Raise (every rank alike) when a result holds NaN or Inf (``lse`` may be ``-inf``: a row
+    that sees no key): finite inputs whose scores overflowed (a huge ``--scale``), written
+    nowhere."""
+    with c.collective_errors():
+        for name, x in results.items():
+            bad = np.isnan(x) | (np.isposinf(x) if name == "lse" else np.isinf(x))
+            if bad.any():
+                raise ValueError(f"the result {name} holds NaN or Inf on this rank (from finite "
+                                 f"inputs: the scores overflowed {backend.accum_dtype(x.dtype)}; "
+                                 "is --scale too large?); nothing is written (pass "
+                                 "--allow-nonfinite to write it anyway)")
+
+
 def _causal_label(causal: Any) -> str:
     return "causal bottom-right" if causal == "bottom-right" else "causal" if causal else "non-causal"
 
@@ -311,10 +325,17 @@ def check_arguments(c: Any, inp: Any, st: Settings) -> None:
         why = registry.get(o.strategy).supports(spec, c.topology)
         if why is not None:
             raise UsageError(f"--strategy {o.strategy}: {why}")
-    if o.engine != "auto":
-        why = engines.get(o.engine).supports(spec)
+    check_engine(o.engine, spec)
+
+
+def check_engine(name: str, spec: AttentionSpec) -> None:
+    """``--engine NAME`` whose declared capabilities do not cover the call ``spec`` (global
+    shapes, the device): UsageError (exit 2) on every rank alike, as ``run``, ``prefill`` and
+    ``decode`` refuse it."""
+    if name != "auto":
+        why = engines.get(name).supports(spec)
         if why is not None:
-            raise UsageError(f"--engine {o.engine}: {why}")
+            raise UsageError(f"--engine {name}: {why}")
 
 
 def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer,
@@ -411,6 +432,8 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     if getattr(args, "threads_info", None) is not None:
         con.say(f"  threads  BLAS {args.threads_info.describe()}")
     results = _compute(c, con, inp, st, backward, timer)
+    if not allow_nonfinite:
+        check_results(c, results)
     verdict = None
     if getattr(args, "check", True):
         with timer.phase("check"):

@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import backend
 from . import errors, node
+from .discipline import Discipline, checking_timeout
 from .topology import Topology
 
 __all__ = ["Comm", "Request", "get_comm", "find_comm"]
@@ -171,12 +172,16 @@ class Comm:
         self.gpu_device: Any = None
         #: Collective checks opened on this Comm (:meth:`allgather_checked`'s call numbers).
         self.calls = 0
+        #: The collective discipline: call sites compared in the checking mode, departure
+        #: notices, one thread at a time (:mod:`mpiattn.comm.discipline`).
+        self.discipline = Discipline(mpi_comm, checking_timeout())
 
     def free(self) -> None:
         """Release the sub-communicators, the device transport and the duplicate (local; idempotent)."""
         for sub in self._splits.values():
             sub.free()
         self._splits.clear()
+        self.discipline.close()
         if self.device_transport is not None:
             transport, self.device_transport = self.device_transport, None
             try:
@@ -191,7 +196,12 @@ class Comm:
     # ------------------------------------------------------------------ errors
     def collective_errors(self) -> contextlib.AbstractContextManager[None]:
         """:func:`mpiattn.comm.errors.agree` on this communicator (a purely local block)."""
-        return errors.agree(self.mpi)
+        return errors.agree(self.mpi, before=lambda: self.discipline.point("Comm.collective_errors"))
+
+    def point(self, what: str) -> None:
+        """A collective pattern of point-to-point messages starts here (the ring, the tree merge,
+        the writers' token): :meth:`mpiattn.comm.discipline.Discipline.point`."""
+        self.discipline.point(what)
 
     def allgather_checked(self, fn: Callable[[], Any], call: str | None = None) -> list:
         """:func:`mpiattn.comm.errors.allgather_checked` on this communicator.
@@ -219,18 +229,28 @@ class Comm:
             self._threads_checked = True
             node.warn_if_oversubscribed(self.node)
         self.calls += 1
-        try:
-            return errors.allgather_checked(self.mpi, fn, (call, self.calls))
-        except errors.CallMismatch as exc:  # every rank is here: be in step again from now on
-            self.calls = max(t[1] for t in exc.tags if isinstance(t, tuple) and len(t) == 2)
-            raise
+        with self.discipline.claim(call):
+            self.discipline.point(call)
+            try:
+                return errors.allgather_checked(self.mpi, fn, (call, self.calls),
+                                                lambda obj: self.discipline.allgather(obj, call))
+            except errors.CallMismatch as exc:  # every rank is here: be in step again from now on
+                self.calls = max(t[1] for t in exc.tags if isinstance(t, tuple) and len(t) == 2)
+                raise
 
     def abort_on_error(self) -> contextlib.AbstractContextManager[None]:
         """:func:`mpiattn.comm.errors.abort_on_error` on this communicator.
 
-        The clean-ups of :meth:`cleanup_on_abort` run before the abort.
+        The clean-ups of :meth:`cleanup_on_abort` run before the abort. The block holds
+        this Comm for its thread (:meth:`mpiattn.comm.discipline.Discipline.claim`).
         """
-        return errors.abort_on_error(self.mpi, self._abort_hooks)
+        return self._abort_on_error(_caller())
+
+    @contextlib.contextmanager
+    def _abort_on_error(self, what: str) -> Iterator[None]:
+        self.discipline.live(what)  # a freed communicator: refused before any abort
+        with self.discipline.claim(what), errors.abort_on_error(self.mpi, self._abort_hooks):
+            yield
 
     @contextlib.contextmanager
     def cleanup_on_abort(self, hook: Callable[[], Any]) -> Iterator[None]:
@@ -264,6 +284,7 @@ class Comm:
         key = tuple(int(r) for r in ranks)
         sub = self._splits.get(key)
         if sub is None:
+            self.discipline.point("Comm.split")
             sub = Comm(self.mpi.Split(min(key), key.index(self.rank)))
             sub.topology = self.topology.restricted(key)
             sub.node = self.node
@@ -275,13 +296,16 @@ class Comm:
     # ------------------------------------------------------------- small data
     def allgather_obj(self, obj: Any) -> list:
         """Pickle-based allgather for small metadata (never for array data)."""
+        self.discipline.point("Comm.allgather_obj")
         return self.mpi.allgather(obj)
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Pickle-based broadcast for small metadata."""
+        self.discipline.point("Comm.bcast_obj")
         return self.mpi.bcast(obj, root=root)
 
     def barrier(self) -> None:
+        self.discipline.point("Comm.barrier")
         self.mpi.Barrier()
 
     # ------------------------------------------------------- buffer transport
@@ -336,6 +360,7 @@ class Comm:
         ``counts[r]`` is rank r's number of rows. Returns the concatenation on
         ``root`` (every rank when ``root`` is None), else None.
         """
+        self.discipline.point("Comm.gatherv_rows")
         xp = backend.array_module(x)
         row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
         total = int(sum(counts))
@@ -384,6 +409,7 @@ class Comm:
         """
         from mpi4py import MPI
 
+        self.discipline.point("Comm.alltoallv_rows")
         xp = backend.array_module(x)
         row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
         out = xp.empty((int(sum(recv_counts)),) + x.shape[1:], dtype=x.dtype)
@@ -436,6 +462,7 @@ class Comm:
 
         if self.size == 1 or x.size == 0:
             return x
+        self.discipline.point("Comm.allreduce_")
         self._count({0: int(x.nbytes)} if self.rank else {d: int(x.nbytes) for d in range(self.size)})
         buf, finish = self._recv_buf(x, keep=True)
         spec = [buf, self._typed(x.dtype)]
@@ -453,6 +480,7 @@ class Comm:
         """
         from mpi4py import MPI
 
+        self.discipline.point("Comm.reduce_scatterv_rows")
         xp = backend.array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         out = xp.empty((int(counts[self.rank]),) + x.shape[1:], dtype=x.dtype)

@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 __all__ = ["CollectiveError", "CallMismatch", "Agreed", "mark", "alike", "same_everywhere", "same_fields", "agree",
            "allgather_checked", "abort_on_error", "raise_first", "claim_ending", "abort_job",
            "DEFER_S", "SETTLE_S"]
@@ -184,7 +186,7 @@ def raise_first(reports: list, err: BaseException | None) -> None:
 
 
 @contextlib.contextmanager
-def agree(mpi_comm: Any) -> Iterator[None]:
+def agree(mpi_comm: Any, before: Callable[[], Any] | None = None) -> Iterator[None]:
     """Make an exception raised inside the block be raised on every rank.
 
     The block must be purely local (no communication): a rank that raises
@@ -192,7 +194,8 @@ def agree(mpi_comm: Any) -> Iterator[None]:
     failed (one small allreduce) and, if so, every rank raises the exception
     of the lowest failing rank. A ``KeyboardInterrupt`` counts as a failure:
     every rank then raises ``KeyboardInterrupt`` (marked), so a program's own
-    ``except KeyboardInterrupt`` and ``finally`` run on every rank.
+    ``except KeyboardInterrupt`` and ``finally`` run on every rank. ``before()`` runs
+    just before that allreduce (with more than one rank: a Comm's collective checks).
     """
     err: BaseException | None = None
     try:
@@ -205,11 +208,18 @@ def agree(mpi_comm: Any) -> Iterator[None]:
         return
     from mpi4py import MPI
 
-    if mpi_comm.allreduce(0 if err is None else 1, op=MPI.SUM):
+    if before is not None:
+        before()
+    failed = np.array([0 if err is None else 1], dtype=np.int64)
+    # (a buffer Allreduce: it releases Python's lock while it waits, as mpi4py's pickled
+    # allreduce does not the first time on a communicator, starving the watchdog's thread)
+    mpi_comm.Allreduce(MPI.IN_PLACE, [failed, MPI.INT64_T], op=MPI.SUM)
+    if failed[0]:
         raise_first(mpi_comm.allgather(_report(err)), err)
 
 
-def allgather_checked(mpi_comm: Any, fn: Callable[[], Any], tag: Any = None) -> list:
+def allgather_checked(mpi_comm: Any, fn: Callable[[], Any], tag: Any = None,
+                      gather: Callable[[Any], list] | None = None) -> list:
     """Run the local function ``fn`` on every rank and allgather its results.
 
     One collective serves both: if ``fn`` raised on any rank, every rank
@@ -223,7 +233,8 @@ def allgather_checked(mpi_comm: Any, fn: Callable[[], Any], tag: Any = None) -> 
     raises the same RuntimeError naming them, instead of going on with
     mismatched messages. A ``KeyboardInterrupt`` inside ``fn`` is agreed
     like an error: every rank raises ``KeyboardInterrupt`` (it cannot leave
-    the others waiting here).
+    the others waiting here). ``gather(obj)``: the allgather of small objects to
+    use (default ``mpi_comm.allgather``; a Comm passes its polled one).
     """
     err: BaseException | None = None
     result = None
@@ -235,7 +246,7 @@ def allgather_checked(mpi_comm: Any, fn: Callable[[], Any], tag: Any = None) -> 
         if err is not None:
             raise mark(err) from err.__cause__
         return [result]
-    reports = mpi_comm.allgather((tag, _report(err), result))
+    reports = (gather or mpi_comm.allgather)((tag, _report(err), result))
     tags = [t for t, _, _ in reports]
     for r, t in enumerate(tags):
         if t != tags[0]:

@@ -157,6 +157,8 @@ def circulate(c: Comm, data: Sequence[Any], n: int, layout: Any, block: int,
     index) plus sends that have not completed yet.
     """
     P, r = c.size, c.rank
+    if P > 1:
+        c.point("circulate")
     route = Route.ring(P, r) if route is None else route
     segs = all_segments(n, P, layout)
     block = max(1, int(block))

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from . import errors
 
 __all__ = ["Topology", "override"]
@@ -54,6 +56,12 @@ class Topology:
             for r in n:
                 where[r] = i
         object.__setattr__(self, "_where", tuple(where))
+        index = np.asarray(where, dtype=np.int64)
+        major = np.argsort(index, kind="stable")  # node by node, each node's ranks increasing
+        for a in (index, major):
+            a.flags.writeable = False
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_major", major)
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -66,7 +74,9 @@ class Topology:
 
         node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
         try:
-            leader = node.allreduce(mpi_comm.Get_rank(), op=MPI.MIN)
+            low = np.array([mpi_comm.Get_rank()], dtype=np.int64)  # (a buffer Allreduce: see
+            node.Allreduce(MPI.IN_PLACE, [low, MPI.INT64_T], op=MPI.MIN)  # errors.agree)
+            leader = int(low[0])
         finally:
             node.Free()
         leaders = mpi_comm.allgather(leader)
@@ -109,7 +119,7 @@ class Topology:
     @property
     def P(self) -> int:
         """Ranks in the communicator."""
-        return sum(len(n) for n in self.nodes)
+        return len(self._where)
 
     @property
     def n_nodes(self) -> int:
@@ -138,9 +148,24 @@ class Topology:
     def same_node(self, a: int, b: int) -> bool:
         return self._where[a] == self._where[b]
 
+    def nodes_of(self, ranks: Any) -> np.ndarray:
+        """:meth:`node_of` of every rank in ``ranks`` (an int array of any shape), at once:
+        what the cost model counts its groups by (:mod:`mpiattn.strategies.base`)."""
+        return self._index[np.asarray(ranks, dtype=np.int64)]
+
+    def node_counts(self, ranks: Any) -> np.ndarray:
+        """How many of the distinct ``ranks`` (an int array) each node holds, ``(n_nodes,)``."""
+        chosen = np.zeros(len(self._index), dtype=bool)
+        chosen[np.asarray(ranks, dtype=np.int64)] = True
+        return np.bincount(self._index[chosen], minlength=self.n_nodes)
+
     def node_major(self) -> tuple[int, ...]:
         """The ranks ordered node by node (each node's ranks in increasing order)."""
-        return tuple(r for n in self.nodes for r in n)
+        return tuple(self._major.tolist())
+
+    def node_major_array(self) -> np.ndarray:
+        """:meth:`node_major` as a read-only int64 array (the cost model's, without a loop)."""
+        return self._major
 
     def restricted(self, ranks: Sequence[int]) -> "Topology":
         """The topology of a sub-communicator whose rank ``i`` is ``ranks[i]`` here."""

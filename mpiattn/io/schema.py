@@ -26,7 +26,7 @@ from .hdf5types import BFLOAT16, is_bfloat16_type
 from .opening import _open_read, _plain, file_info, identity
 
 __all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "WHOLE_DATASETS", "window_from_attribute",
-           "read_whole_datasets", "check_whole", "read_meta", "promoted_shape"]
+           "read_whole_datasets", "check_whole", "read_meta", "promoted_shape", "check_dtype"]
 
 #: Input datasets and the axis (from the end) of their sequence dimension (``attn_mask``
 #: ``(B or 1, H or 1, N, M)``: its query rows, read like ``q``'s).
@@ -55,21 +55,37 @@ def promoted_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (1,) * (want - len(shape)) + tuple(shape)
 
 
-def _check_dtype(name: str, dt: np.dtype) -> None:
+#: The real floating-point dtypes a dataset may hold, for messages.
+_FLOATS = "float16, bfloat16, float32 or float64, any byte order"
+
+
+def _real_float(dt: np.dtype) -> bool:
+    """Whether ``dt`` is one of :data:`_FLOATS`."""
+    return dt.kind == "f" and dt.newbyteorder("=") in backend.SUPPORTED_DTYPES
+
+
+def check_dtype(name: str, dt: np.dtype) -> None:
+    """TypeError unless dataset ``name`` may hold dtype ``dt`` (an ``attn_mask``: boolean or real
+    floating point; document ids: integers; the padding mask: boolean; the rest: real floating
+    point)."""
     if name in ("segment_ids", "kv_segment_ids"):
         if dt.kind not in "iu":
             raise TypeError(f"dataset {name!r} has dtype {dt}; document ids must be integers")
         return
-    if name == "attn_mask" and dt == np.bool_:
+    if name == "attn_mask":
+        if dt != np.bool_ and not _real_float(dt):
+            raise TypeError(f"dataset 'attn_mask' has dtype {dt}; it must be boolean (True = the pair "
+                            f"takes part) or real floating point ({_FLOATS}; added to the scores, "
+                            "-inf hides)")
         return
     if name == "key_padding_mask":
         if dt != np.bool_:
             raise TypeError(f"dataset 'key_padding_mask' has dtype {dt}; it must be boolean "
                             "(True = padding key to ignore)")
         return
-    if dt.kind != "f" or dt.newbyteorder("=") not in backend.SUPPORTED_DTYPES:
+    if not _real_float(dt):
         raise TypeError(f"dataset {name!r} has dtype {dt}; mpiattn needs real floating-point "
-                        "data (float16, bfloat16, float32 or float64, any byte order)")
+                        f"data ({_FLOATS})")
 
 
 def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
@@ -170,7 +186,7 @@ def _read_meta(path: str) -> dict:
 
             if not isinstance(ds, h5py.Dataset):
                 raise ValueError(f"{path}: {name!r} is a group, not a dataset")
-            _check_dtype(name, ds.dtype)
+            check_dtype(name, ds.dtype)
             stored[name] = tuple(int(s) for s in ds.shape)
             dtypes[name] = (BFLOAT16 if is_bfloat16_type(ds.id.get_type())  # docs/file-format.md
                             else ds.dtype.newbyteorder("=").str)  # read in native byte order

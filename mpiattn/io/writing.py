@@ -178,6 +178,7 @@ def _write_serial(c: Comm, tmp: str, meta: dict, datasets: Mapping[str, Rows],
     import h5py
 
     err: BaseException | None = None
+    c.point("the writers' token")
     upstream_ok = True if c.rank == 0 else c.mpi.recv(source=c.rank - 1, tag=_TOKEN_TAG)
     has_rows = c.rank == 0 or any(rows.data.size for rows in datasets.values())
     if upstream_ok and has_rows:  # if not upstream_ok, an earlier rank failed and reports it

@@ -30,15 +30,22 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["MaskMod", "check_count"]
+__all__ = ["MaskMod", "check_count", "MAX_PARAM"]
+
+#: Largest parameter of a rule: an int64, as the indices it is compared with.
+MAX_PARAM = int(np.iinfo(np.int64).max)
 
 
 def check_count(owner: str, name: str, value: Any, least: int = 0) -> int:
-    """``value`` as an int ``>= least`` (a parameter of a rule), else TypeError / ValueError."""
+    """``value`` as an int in ``[least, MAX_PARAM]`` (a parameter of a rule), else TypeError /
+    ValueError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{owner}: {name} must be an integer >= {least}, got {value!r}")
     if int(value) < least:
         raise ValueError(f"{owner}: {name} must be >= {least}, got {value}")
+    if int(value) > MAX_PARAM:
+        raise ValueError(f"{owner}: {name} must be <= {MAX_PARAM} (an int64, as the indices it "
+                         f"meets), got {value}")
     return int(value)
 
 

@@ -31,7 +31,7 @@ from .maskmod import MaskMod
 from .softcap import Softcap
 
 __all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_slopes", "check_attn_mask",
-           "mask_kind", "check_mask_mod", "mask_mod_identity", "fold_tile"]
+           "mask_kind", "check_mask_mod", "ask", "fold_tile"]
 
 #: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
 MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
@@ -93,27 +93,12 @@ def mask_kind(mask: Any) -> str | None:
 def check_mask_mod(fn: Any, B: int = 1, H: int = 1) -> Callable:
     """``fn`` if it is a callable that answers a probe ``fn(b, h, q_idx, kv_idx)`` (every batch
     entry and head at the pair (0, 0): int64 arrays of shapes (B, 1, 1, 1), (1, H, 1, 1),
-    (1, 1, 1, 1)) with a bool array that broadcasts to (B, H, 1, 1); else TypeError."""
+    (1, 1, 1, 1)) with a bool array that broadcasts to (B, H, 1, 1) without growing it; else
+    TypeError (not callable, not bool) or ValueError (its shape)."""
     if not callable(fn):
         raise TypeError(f"mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx) -> bool array, got {fn!r}")
-    got = np.asarray(fn(*_indices(np.arange(B), np.arange(H), [0], [0])))
-    if got.dtype != np.bool_:
-        raise TypeError(f"mask_mod must return a bool array (True = visible), got dtype {got.dtype}")
-    try:
-        np.broadcast_shapes(got.shape, (B, H, 1, 1))
-    except ValueError:
-        raise ValueError(f"mask_mod returned shape {got.shape}, which does not broadcast to "
-                         f"(B, H, q, k) = ({B}, {H}, 1, 1)") from None
+    ask(fn, np.arange(B), np.arange(H), [0], [0])
     return fn
-
-
-def mask_mod_identity(fn: Callable) -> tuple:
-    """What the ranks compare of a ``mask_mod``: a :class:`~mpiattn.masks.maskmod.MaskMod`'s
-    text (name and parameters, ``("chunked:4096",)``), else a function's module and name (its
-    code cannot be compared)."""
-    if isinstance(fn, MaskMod):
-        return (fn.key,)
-    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", type(fn).__name__))
 
 
 def _indices(b: Any, h: Any, q: Any, k: Any) -> tuple:
@@ -123,12 +108,25 @@ def _indices(b: Any, h: Any, q: Any, k: Any) -> tuple:
                  for axis, x in enumerate((b, h, q, k)))
 
 
-def _ask(fn: Callable, b: Any, h: Any, q: Any, k: Any) -> np.ndarray:
-    """``fn``'s 4-D bool answer (leading axes of length 1 added) on those indices."""
+def ask(fn: Callable, b: Any, h: Any, q: Any, k: Any) -> np.ndarray:
+    """``fn``'s bool answer on those indices as a ``(1 or len(b), 1 or len(h), len(q), len(k))``
+    array: leading axes of length 1 added, the query and key axes always spelt out (a view
+    where ``fn`` ignored them), so that a region of the answer is the answer of that region.
+
+    A rule may ignore any index (FlexAttention's ``noop_mask`` returns a 0-d array, a key-only
+    rule reads ``kv_idx`` alone); its answer must broadcast to the indices' shape without
+    growing it, else ValueError naming ``mask_mod``.
+    """
+    full = tuple(np.size(x) for x in (b, h, q, k))
     got = np.asarray(fn(*_indices(b, h, q, k)))
     if got.dtype != np.bool_:
         raise TypeError(f"mask_mod returned dtype {got.dtype}, not bool")
-    return got.reshape((1,) * (4 - got.ndim) + got.shape)
+    shape = (1,) * (4 - got.ndim) + got.shape
+    if got.ndim > 4 or any(g not in (1, f) for g, f in zip(shape, full)):
+        raise ValueError(f"mask_mod returned shape {got.shape} on indices b, h, q_idx, kv_idx that "
+                         f"broadcast to {full}: its answer must broadcast to that shape (each axis "
+                         "of length 1 or of the index's length)")
+    return np.broadcast_to(got.reshape(shape), shape[:2] + full[2:])
 
 
 def fold_tile(a: np.ndarray, hkv: int, group: int) -> np.ndarray:
@@ -191,7 +189,7 @@ class Modifiers:
     def _probe(self) -> tuple[int, int]:
         """Whether ``mask_mod`` reads the batch and head indices: ``(1 or B, 1 or H)`` of its
         answer on every ``b`` and ``h`` at one pair (sizes a region's cost)."""
-        got = _ask(self.mask_mod, np.arange(max(self.B, 1)), np.arange(max(self.H, 1)), [0], [0])
+        got = ask(self.mask_mod, np.arange(max(self.B, 1)), np.arange(max(self.H, 1)), [0], [0])
         return int(got.shape[0]), int(got.shape[1])
 
     def cost(self, pairs: int, heads: int) -> int:
@@ -245,7 +243,7 @@ class Modifiers:
             if ok.dtype != np.bool_:
                 ok = ok > -np.inf
         if self.mask_mod is not None:
-            got = _ask(self.mask_mod, np.arange(max(self.B, 1)), heads, q_pos, k_pos)
+            got = ask(self.mask_mod, np.arange(max(self.B, 1)), heads, q_pos, k_pos)
             ok = got if ok is None else ok & got
         return ok
 

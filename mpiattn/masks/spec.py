@@ -68,7 +68,7 @@ def check_window(window: Any) -> tuple | None:
     """``window`` as ``(left, right)`` (each an int >= 0 or None), or None for no window.
 
     ``(None, None)`` is no window. Raises TypeError for anything but a pair
-    of ints/None, ValueError for a negative bound.
+    of ints/None, ValueError for a negative bound or one past int64.
     """
     if window is None:
         return None
@@ -87,6 +87,8 @@ def check_window(window: Any) -> tuple | None:
             raise TypeError(f"window {side} bound must be an int >= 0 or None, got {w!r}") from None
         if w < 0:
             raise ValueError(f"window {side} bound must be >= 0, got {w}")
+        if w > np.iinfo(np.int64).max:  # positions are int64: a larger bound is unbounded anyway
+            raise ValueError(f"window {side} bound must be at most 2**63 - 1 (or None: unbounded), got {w}")
         out.append(int(w))
     return None if out == [None, None] else (out[0], out[1])
 

@@ -27,12 +27,11 @@ words per key/value row: the formulas are in each strategy's docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from ..kernels import engines
-from ..layouts import all_segments, positions
 
 __all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "heads_memory",
            "relaid_bytes", "ring_phase", "spread_phase", "layout_share", "sends_out", "mask_bytes"]
@@ -75,55 +74,60 @@ class Phase:
     sharing: int = 1
 
 
-def _sharing(topology: Any, senders: Sequence[int]) -> int:
+def _ranks(group: Any) -> np.ndarray:
+    """Ranks as an int64 array: one group (a sequence, a ``range``: no Python loop) as ``(1, n)``,
+    several of equal size (a 2-D array or a list of lists) as ``(groups, n)``."""
+    if isinstance(group, range):
+        return np.arange(group.start, group.stop, group.step, dtype=np.int64)[None]
+    out = np.asarray(group, dtype=np.int64)
+    return out.reshape(1, -1) if out.ndim < 2 else out
+
+
+def _sharing(topology: Any, senders: np.ndarray) -> int:
     """The most ranks of one node among ``senders`` (ranks sending between nodes at once), at least 1."""
-    per_node: dict[int, int] = {}
-    for rank in set(senders):
-        node = topology.node_of(rank)
-        per_node[node] = per_node.get(node, 0) + 1
-    return max(per_node.values(), default=1)
+    return max(1, int(topology.node_counts(senders).max()))
 
 
-def ring_phase(topology: Any, ring: Sequence[int], step_bytes: float, steps: int,
-               pieces: int = 1, rings: Sequence[Sequence[int]] | None = None) -> Phase:
-    """``steps`` ring steps of ``step_bytes`` each over the ranks ``ring`` (in ring order).
+def ring_phase(topology: Any, rings: Any, step_bytes: float, steps: int, pieces: int = 1) -> Phase:
+    """``steps`` ring steps of ``step_bytes`` each over the ranks of ``rings``, in ring order.
 
-    A step is as slow as its slowest edge: if any edge joins two nodes, the
-    busiest rank is one that sends every step between nodes. ``rings``: all
-    the rings that run at once (``ring`` among them; default ``ring`` alone),
-    whose ranks at a node's edge share its link.
+    ``rings`` is one ring, or several of one length running at once (a 2-D array,
+    one ring a row). A step is as slow as its slowest edge: if any edge joins two
+    nodes, the busiest rank is one that sends every step between nodes; the ranks
+    at a node's edge share its link. Vectorised: ``O(P)`` for ``P`` ranks in all.
     """
     if steps <= 0 or step_bytes <= 0:
         return Phase(overlap=True)
-
-    def edges(rg: Sequence[int]) -> list[tuple[int, int]]:
-        return list(zip(rg, [*rg[1:], rg[0]])) if len(rg) > 1 else []
-
-    crosses = any(not topology.same_node(a, b) for a, b in edges(ring))
-    senders = [a for rg in (rings or [ring]) for a, b in edges(rg) if not topology.same_node(a, b)]
+    ranks = _ranks(rings)
+    nodes = topology.nodes_of(ranks)
+    cross = nodes != np.roll(nodes, -1, axis=1)  # edge (a, next a), the last one back to the first
+    crosses = bool(cross.any())
     total = step_bytes * steps
     return Phase(0.0 if crosses else total, total if crosses else 0.0, steps * pieces, True, steps,
-                 _sharing(topology, senders))
+                 _sharing(topology, ranks[cross]))
 
 
-def spread_phase(topology: Any, group: Sequence[int], bytes_per_dest: float,
-                 messages: int, groups: Sequence[Sequence[int]] | None = None) -> Phase:
-    """A collective in which each rank of ``group`` sends ``bytes_per_dest`` to every other.
+def spread_phase(topology: Any, groups: Any, bytes_per_dest: float, messages: int) -> Phase:
+    """A collective in which each rank of a group sends ``bytes_per_dest`` to every other.
 
-    The busiest rank is the one with the most group members on other nodes.
-    ``groups``: all the groups doing it at once (``group`` among them; default
-    ``group`` alone), whose ranks with members elsewhere share their node's link.
+    ``groups`` is one group, or several of one size doing it at once (a 2-D
+    array, one group a row). The busiest rank is the one with the most group
+    members on other nodes (the fewest on its own); the ranks of groups that
+    span nodes share their node's link. Vectorised: ``O(P log P)``.
     """
-    worst = (0, 0)
-    for a in group:
-        here = sum(1 for b in group if b != a and topology.same_node(a, b))
-        away = len(group) - 1 - here
-        worst = max(worst, (away, here))
-    away, here = worst
-    senders = [a for g in (groups or [group]) for a in g
-               if any(not topology.same_node(a, b) for b in g)]
-    return Phase(here * bytes_per_dest, away * bytes_per_dest, messages, False,
-                 sharing=_sharing(topology, senders))
+    ranks = _ranks(groups)
+    size = ranks.shape[1]
+    if size == 0:
+        return Phase(messages=messages)
+    nodes = np.sort(topology.nodes_of(ranks), axis=1)
+    flat = nodes.ravel()
+    starts = np.ones(flat.size + 1, dtype=bool)  # where a run of one node in one group starts
+    starts[1:-1] = flat[1:] != flat[:-1]
+    starts[size::size] = True
+    fewest = int(np.diff(np.flatnonzero(starts)).min())  # members of a group on one node
+    spanning = nodes[:, 0] != nodes[:, -1]
+    return Phase((fewest - 1) * bytes_per_dest, (size - fewest) * bytes_per_dest, messages, False,
+                 sharing=_sharing(topology, ranks[spanning]))
 
 
 def sends_out(spec: Any) -> int:
@@ -139,16 +143,16 @@ def mask_bytes(spec: Any, rows: float) -> float:
     return float(rows) * spec.B * spec.H * spec.M * spec.mask.attn_mask_itemsize
 
 
-def layout_share(row_pairs: Any, N: int, P: int, layout: Any) -> float:
+def layout_share(row_pairs: Any, P: int, layout: Any) -> float:
     """The largest share of all visible pairs one rank's query rows hold under ``layout``.
 
-    ``row_pairs`` is the visible keys of every global query row (``(N,)``);
-    1/P for a perfect balance.
+    ``row_pairs`` is the visible keys of the query rows
+    (:class:`mpiattn.strategies.model.RowPairs`); 1/P for a perfect balance.
     """
-    total = float(row_pairs.sum())
+    total = row_pairs.total
     if total <= 0:
         return 1.0 / P
-    return max(float(row_pairs[positions(s)].sum()) for s in all_segments(N, P, layout)) / total
+    return float(row_pairs.per_rank(P, layout).max()) / total
 
 
 class Strategy:
@@ -187,8 +191,9 @@ class Strategy:
         raise NotImplementedError
 
     def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
-        """The largest share of the visible pairs one rank computes (``row_pairs`` per query row)."""
-        return layout_share(row_pairs, spec.N, topology.P, spec.layout)
+        """The largest share of the visible pairs one rank computes (``row_pairs``: the query
+        rows', a :class:`mpiattn.strategies.model.RowPairs`)."""
+        return layout_share(row_pairs, topology.P, spec.layout)
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         raise NotImplementedError

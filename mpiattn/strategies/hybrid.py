@@ -32,8 +32,11 @@ goes to each member that needs it) and out, and the ring's
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from .. import backend
 from ..comm.device import configure
@@ -43,12 +46,19 @@ from .base import (Phase, Strategy, blocked_memory, heads_memory, mask_bytes, re
 from .heads import to_heads, to_rows
 from .ring import Ring
 
-__all__ = ["Hybrid", "PLACEMENTS"]
+__all__ = ["Hybrid", "PLACEMENTS", "divisors"]
 
 #: Where the head groups sit.
 PLACEMENTS = ("head-first", "ring-first")
 
 _RING = Ring()
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, increasing (the head-group sizes ``u`` of ``n`` ranks), in
+    ``O(sqrt n)``."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 class Hybrid(Strategy):
@@ -116,33 +126,39 @@ class Hybrid(Strategy):
         if self.u is not None:
             return [self]
         P = topology.P
-        return [Hybrid(u, P // u, self.placement) for u in range(1, P + 1)
-                if P % u == 0 and self._heads_fit(spec, u) is None]
+        return [Hybrid(u, P // u, self.placement) for u in divisors(P)
+                if self._heads_fit(spec, u) is None]
 
     # ------------------------------------------------------------- the grid
     def grid(self, topology: Any) -> tuple[list[list[int]], list[list[int]]]:
         """``(groups, rings)``: the ranks of each head group (``r`` of ``u``) and of each ring
         (``u`` of ``r``, ring ``i`` holding member ``i`` of every group)."""
-        order = topology.node_major()
-        u, r = self.u, self.r
+        groups = self._groups(topology)
+        return groups.tolist(), groups.T.tolist()
+
+    def _groups(self, topology: Any) -> np.ndarray:
+        """:meth:`grid`'s groups as an ``(r, u)`` array (its rings are the columns)."""
+        order = topology.node_major_array()
         if self.placement == "head-first":
-            groups = [list(order[g * u:(g + 1) * u]) for g in range(r)]
-        else:
-            groups = [[order[i * r + g] for i in range(u)] for g in range(r)]
-        rings = [[groups[g][i] for g in range(r)] for i in range(u)]
-        return groups, rings
+            return order.reshape(self.r, self.u)
+        return order.reshape(self.u, self.r).T
 
     @staticmethod
-    def _kv_heads(spec: Any, u: int, j: int) -> list[int]:
+    def _kv_range(spec: Any, u: int, j: int) -> range:
+        """The key/value heads member ``j`` of a group of ``u`` uses."""
         hq, G = spec.H // u, spec.H // spec.Hkv
-        return list(range(j * hq // G, ((j + 1) * hq - 1) // G + 1))
+        return range(j * hq // G, ((j + 1) * hq - 1) // G + 1)
+
+    @classmethod
+    def _kv_heads(cls, spec: Any, u: int, j: int) -> list[int]:
+        return list(cls._kv_range(spec, u, j))
 
     # ------------------------------------------------------------- the model
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P, u, r = topology.P, self.u, self.r
         n, m, s, a = spec.N / P, spec.M / P, spec.itemsize, spec.acc_dtype.itemsize
-        hkv = len(self._kv_heads(spec, u, 0))
-        groups, rings = self.grid(topology)
+        hkv = len(self._kv_range(spec, u, 0))
+        groups = self._groups(topology)
         q, o = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev
         kv_dest = spec.B * hkv * (spec.E + spec.Ev) * m  # what a member sends each other member
         mask = mask_bytes(spec, n) / u if u > 1 else 0.0
@@ -152,26 +168,21 @@ class Hybrid(Strategy):
             per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
                         + kv_dest * (s + a) + mask)
         calls = ((8 + sends_out(spec)) if backward else 5) + (mask > 0)
-        a2a = max((spread_phase(topology, grp, per_dest, calls * (u - 1), groups)
-                   for grp in groups), key=lambda p: (p.between, p.inside)) if u > 1 else None
+        a2a = spread_phase(topology, groups, per_dest, calls * (u - 1)) if u > 1 else None
         step = u * m * spec.B * hkv * (spec.E + spec.Ev) * s
         if backward:
             step += u * m * spec.B * hkv * (spec.E + spec.Ev) * a
         pieces = max(1, -(-int(u * m) // max(block, 1)))
-        ring = max((ring_phase(topology, rg, step, r - 1, pieces, rings) for rg in rings),
-                   key=lambda p: (p.between, p.inside))
+        ring = ring_phase(topology, groups.T, step, r - 1, pieces)
         return [p for p in (a2a, ring) if p is not None]
 
     def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
         """A member computes ``1/u`` of the heads of its group's rows: the busiest group's share / u."""
-        groups, _ = self.grid(topology)
-        total = float(row_pairs.sum())
+        total = row_pairs.total
         if total <= 0:
             return 1.0 / topology.P
-        segs = all_segments(spec.N, topology.P, spec.layout)
-        share = max(sum(float(row_pairs[g0:g0 + ln].sum()) for rank in grp for g0, ln in segs[rank])
-                    for grp in groups) / total
-        return share / self.u
+        per_rank = row_pairs.per_rank(topology.P, spec.layout)
+        return float(per_rank[self._groups(topology)].sum(axis=1).max()) / total / self.u
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         if self.u is None or self.u == 1:  # a ring over copies of q, out, k, v made by the split

@@ -12,7 +12,10 @@ moves the bytes, while inside a CPU node MPI's shared-memory copies are the
 CPU's own work). Named profiles (:data:`PROFILES`) give documented
 defaults for machine classes, each number with its source;
 ``python -m mpiattn calibrate`` measures one on the current allocation and
-writes it as JSON (:meth:`Machine.save`), which :func:`load` reads back.
+writes it as JSON (:meth:`Machine.save`), which :func:`load` reads back,
+checked whole: a file that is not JSON, not an object, or has a key missing,
+null, of the wrong type or out of range raises one :class:`MachineFileError`
+naming the file and every such key (``--machine``: exit code 2).
 
 Which machine a call uses (:func:`resolve_name`): the ``machine`` option (a
 profile name or a JSON file), else the environment variable
@@ -29,11 +32,19 @@ from typing import Any
 
 from ..io.jsonfile import read_json, write_json
 
-__all__ = ["Link", "Machine", "PROFILES", "DEFAULT_FOR_DEVICE", "MACHINE_VARIABLE", "load",
-           "resolve_name"]
+__all__ = ["Link", "Machine", "MachineFileError", "PROFILES", "DEFAULT_FOR_DEVICE",
+           "MACHINE_VARIABLE", "load", "resolve_name"]
 
 #: The environment variable naming a profile or a calibration file (read once per call).
 MACHINE_VARIABLE = "MPIATTN_MACHINE"
+
+
+class MachineFileError(ValueError):
+    """A machine that names no profile and no usable machine file (:func:`load`).
+
+    The message names the file and every defect found in it. A library call raises it alike
+    on every rank; the command line exits with code 2 (bad input).
+    """
 
 
 @dataclass(frozen=True)
@@ -137,17 +148,29 @@ class Machine:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Machine":
+    def from_dict(cls, d: Any) -> "Machine":
+        """The machine a JSON document describes (:meth:`to_dict`'s keys; the optional ones may
+        be left out).
+
+        Raises
+        ------
+        ValueError
+            "not a machine description: " and every defect, each naming its key: not an
+            object, a key missing, unknown, null or of the wrong type, a value out of range.
+        """
+        defects = _defects(d)
+        if defects:
+            raise ValueError("not a machine description: " + "; ".join(defects))
         try:
-            return cls(name=str(d["name"]), inside=_link("inside", d), between=_link("between", d),
-                       rates={str(k): float(v) for k, v in d["rates"].items()},
+            return cls(name=d["name"], inside=_link("inside", d), between=_link("between", d),
+                       rates={k: float(v) for k, v in d["rates"].items()},
                        backward_ratio=float(d.get("backward_ratio", 0.8)),
                        overlap=float(d.get("overlap", 1.0)), memory=float(d.get("memory", 0.0)),
                        memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
                        sources=dict(d.get("sources", {})),
                        node_bandwidth=float(d.get("node_bandwidth", 0.0)),
                        overlap_between=_optional(d.get("overlap_between")))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except ValueError as exc:  # a value out of range, named by __post_init__
             raise ValueError(f"not a machine description: {exc}") from None
 
     def save(self, path: str) -> None:
@@ -164,9 +187,94 @@ def _optional(value: Any) -> float | None:
 
 def _link(name: str, d: dict) -> Link:
     try:
-        return Link(**d[name])
+        return Link(**{key: float(value) for key, value in d[name].items()})
     except ValueError as exc:
         raise ValueError(f"{name}.{exc}") from None
+
+
+# ------------------------------------------------------- a machine file's keys, checked whole
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _defect(key: str, value: Any, holds: str) -> str:
+    """The words for ``key`` holding ``value`` where it must hold ``holds``."""
+    if value is None:
+        return f"key {key!r} is null (it must be {holds})"
+    return f"key {key!r} must be {holds}, not {_kind(value)}"
+
+
+def _number(key: str, value: Any) -> list[str]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return []
+    return [_defect(key, value, "a number")]
+
+
+def _number_or_null(key: str, value: Any) -> list[str]:
+    return [] if value is None else _number(key, value)
+
+
+def _text(key: str, value: Any) -> list[str]:
+    return [] if isinstance(value, str) else [_defect(key, value, "a string")]
+
+
+def _object(key: str, value: Any, holds: str, known: tuple = (), each: Any = None) -> list[str]:
+    """Defects of an object: its type, then its ``known`` keys (all required, nothing else),
+    or, without ``known``, ``each(key.k, value)`` of every entry."""
+    if not isinstance(value, dict):
+        return [_defect(key, value, holds)]
+    out: list[str] = []
+    for k in known:
+        out += [f"key '{key}.{k}' is missing"] if k not in value else _number(f"{key}.{k}", value[k])
+    out += [f"unknown key '{key}.{k}'" for k in value if known and k not in known]
+    if each is not None:
+        for k, v in value.items():
+            out += each(f"{key}.{k}", v)
+    return out
+
+
+def _a_link(key: str, value: Any) -> list[str]:
+    return _object(key, value, 'an object {"latency_s": seconds, "bandwidth": bytes/s}',
+                   known=("latency_s", "bandwidth"))
+
+
+def _the_rates(key: str, value: Any) -> list[str]:
+    return _object(key, value, 'an object of FLOP/s by dtype name, e.g. {"float32": 8e10}',
+                   each=_number)
+
+
+def _the_sources(key: str, value: Any) -> list[str]:
+    return _object(key, value, "an object of strings by key", each=_text)
+
+
+#: A machine file's keys: whether one must be there, and how its value is checked.
+_KEYS = {"name": (True, _text), "inside": (True, _a_link), "between": (True, _a_link),
+         "rates": (True, _the_rates), "backward_ratio": (False, _number),
+         "overlap": (False, _number), "memory": (False, _number),
+         "memory_bandwidth": (False, _number), "sources": (False, _the_sources),
+         "node_bandwidth": (False, _number), "overlap_between": (False, _number_or_null)}
+
+
+def _defects(doc: Any) -> list[str]:
+    """Every defect of a machine's JSON document, each naming its key (none: an empty list)."""
+    if not isinstance(doc, dict):
+        return [f"it must be a JSON object with keys {', '.join(_KEYS)}, not {_kind(doc)}"]
+    out = [f"unknown key {key!r}" for key in doc if key not in _KEYS]
+    for key, (required, check) in _KEYS.items():
+        if key in doc:
+            out += check(key, doc[key])
+        elif required:
+            out.append(f"key {key!r} is missing")
+    return out
 
 
 def _check(name: str, value: Any, low: float, above: bool = False, high: float = math.inf) -> None:
@@ -241,20 +349,36 @@ DEFAULT_FOR_DEVICE = {"numpy": "cpu-node", "cupy": "h200-nvlink-ndr"}
 def load(name_or_path: str) -> Machine:
     """A named profile, or a machine written by ``python -m mpiattn calibrate`` (JSON).
 
+    The file is checked whole (:meth:`Machine.from_dict`).
+
     Raises
     ------
-    ValueError
-        Neither a profile nor a readable machine file.
+    MachineFileError
+        Neither a profile nor a file; a file that cannot be read, is not JSON, or does
+        not describe a machine (the message names the file and each defect).
     """
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     try:
-        return Machine.from_dict(read_json(name_or_path))
+        doc = read_json(name_or_path)
     except FileNotFoundError:
-        raise ValueError(f"machine {name_or_path!r} is neither a profile ({', '.join(PROFILES)}) "
-                         "nor a file") from None
+        raise MachineFileError(f"machine {name_or_path!r} is neither a profile "
+                               f"({', '.join(PROFILES)}) nor a file") from None
     except ValueError as exc:
-        raise ValueError(f"machine file {name_or_path}: {exc}") from None
+        raise MachineFileError(f"machine file {name_or_path}: {_unreadable(exc, name_or_path)}") \
+            from None
+    try:
+        return Machine.from_dict(doc)
+    except ValueError as exc:
+        raise MachineFileError(f"machine file {name_or_path}: {exc}") from None
+
+
+def _unreadable(exc: ValueError, path: str) -> str:
+    """Why :func:`mpiattn.io.jsonfile.read_json` could not read ``path``, without its path."""
+    why = str(exc).removeprefix(f"cannot read {path}: ")
+    if isinstance(exc.__context__, ValueError):  # json's or the UTF-8 decoder's (both ValueErrors)
+        return f"cannot read it as JSON ({why})"
+    return f"cannot read it ({why})"
 
 
 def resolve_name(requested: str | None, device: str) -> str:

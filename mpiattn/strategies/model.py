@@ -34,14 +34,15 @@ ring phase, pass-Q two collectives).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..layouts import all_segments
 from .base import Phase, Strategy
 from .machines import Machine
 
-__all__ = ["Prediction", "row_pairs", "flops_per_pair", "compute_time", "link_phase", "pass_time",
+__all__ = ["Prediction", "RowPairs", "flops_per_pair", "compute_time", "link_phase", "pass_time",
            "predict", "choose"]
 
 #: Backward FLOPs per forward FLOP (five GEMMs per tile against two).
@@ -89,10 +90,75 @@ class Prediction:
         return self.ideal_s / self.fwdbwd_s if self.fwdbwd_s > 0 else 1.0
 
 
-def row_pairs(spec: Any) -> np.ndarray:
-    """Visible keys of every query row under the causal and window rules, ``(N,)`` float64
-    (:meth:`mpiattn.masks.MaskSpec.keys_per_row`)."""
-    return spec.mask.keys_per_row(spec.N, spec.M).astype(np.float64)
+class RowPairs:
+    """The visible keys of a call's query rows, summed over ranges of rows.
+
+    What the model's work and balance read: the pairs of all rows (:attr:`total`),
+    of rows ``[0, i)`` (:meth:`before`) and of every rank's rows under a layout
+    (:meth:`per_rank`). Made from the causal and window rules in closed form
+    (:meth:`of_spec`: no array of ``N`` rows, whatever ``N``), or from counted
+    keys per row (:meth:`counted`: an ``attn_mask`` or ``mask_mod``,
+    :mod:`mpiattn.masks.counts`).
+    """
+
+    def __init__(self, n: int, before: Callable[[np.ndarray], np.ndarray]):
+        self.n, self._before = int(n), before
+        self.total = float(before(np.array([self.n]))[0])
+        self._ranks: dict[tuple, np.ndarray] = {}
+
+    @classmethod
+    def of_spec(cls, spec: Any) -> "RowPairs":
+        """The pairs the causal and window rules leave (:meth:`mpiattn.masks.MaskSpec.band`;
+        documents and padding not counted): row ``i`` sees keys ``i + lo .. i + hi`` of ``M``."""
+        lo, hi = spec.mask.band()
+        M = float(spec.M)
+
+        def below(c: float, rows: np.ndarray) -> np.ndarray:
+            """Sum over rows ``r < rows`` of ``clip(r + c, 0, M)``: keys ``j < r + c``."""
+            if c == np.inf:
+                return M * rows
+            if c == -np.inf:
+                return np.zeros_like(rows)
+            return _clipped_sum(rows + c, M) - _clipped_sum(np.full_like(rows, c), M)
+
+        return cls(spec.N, lambda rows: below(hi + 1, rows) - below(lo, rows))
+
+    @classmethod
+    def counted(cls, per_row: np.ndarray) -> "RowPairs":
+        """From the visible keys of every query row, ``(N,)``."""
+        cumulative = np.concatenate(([0.0], np.cumsum(per_row, dtype=np.float64)))
+        return cls(len(per_row), lambda rows: cumulative[rows.astype(np.int64)])
+
+    @classmethod
+    def of(cls, spec: Any, pairs: Any = None) -> "RowPairs":
+        """``pairs`` as a :class:`RowPairs`: itself, counted keys per row (an array), or, None,
+        :meth:`of_spec`."""
+        if isinstance(pairs, RowPairs):
+            return pairs
+        return cls.of_spec(spec) if pairs is None else cls.counted(np.asarray(pairs))
+
+    def before(self, rows: Any) -> np.ndarray:
+        """The visible pairs of rows ``[0, i)`` for every ``i`` of ``rows``, float64."""
+        return self._before(np.asarray(rows, dtype=np.float64))
+
+    def per_rank(self, P: int, layout: Any) -> np.ndarray:
+        """The visible pairs of each rank's query rows under ``layout`` on ``P`` ranks, ``(P,)``
+        (kept: the strategies and splits of one call ask alike)."""
+        key = (P, layout)
+        if key not in self._ranks:
+            segs = all_segments(self.n, P, layout)
+            owner = np.repeat(np.arange(P), [len(s) for s in segs])
+            start, length = (np.array([x[i] for s in segs for x in s], dtype=np.float64)
+                             for i in (0, 1))
+            pairs = self.before(start + length) - self.before(start)
+            self._ranks[key] = np.bincount(owner, weights=pairs, minlength=P)
+        return self._ranks[key]
+
+
+def _clipped_sum(y: np.ndarray, M: float) -> np.ndarray:
+    """``sum over x < y of clip(x, 0, M)`` for integers ``x`` (0 for ``y <= 0``), float64."""
+    low = np.clip(y, 0.0, M)
+    return low * (low - 1.0) / 2.0 + M * np.maximum(y - M, 0.0)
 
 
 def flops_per_pair(B: int, H: int, E: int, Ev: int) -> float:
@@ -154,15 +220,16 @@ def pass_time(compute: float, phases: Sequence[Phase], machine: Machine) -> floa
 
 
 def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: Machine,
-            pairs: np.ndarray | None = None, rate_dtype: str | None = None) -> Prediction:
+            pairs: Any = None, rate_dtype: str | None = None) -> Prediction:
     """The model's :class:`Prediction` for ``strategy`` (configured) running ``spec`` on ``topology``.
 
-    ``pairs`` (:func:`row_pairs` of the spec) may be passed to save recomputing it;
+    ``pairs``: the visible keys of the query rows, as :meth:`RowPairs.of` takes them (None:
+    the spec's rules; pass one :class:`RowPairs` to many calls to share its sums);
     ``rate_dtype`` names the compute rate to use when it is not the spec's dtype
     (``plan`` sizes bfloat16 as float16, both two bytes, and times it as bfloat16).
     """
-    pairs = row_pairs(spec) if pairs is None else pairs
-    total = flops_per_pair(spec.B, spec.H, spec.E, spec.Ev) * float(pairs.sum())
+    pairs = RowPairs.of(spec, pairs)
+    total = flops_per_pair(spec.B, spec.H, spec.E, spec.Ev) * pairs.total
     rate = machine.rate(rate_dtype or spec.dtype)
     bwd_rate = rate * machine.backward_ratio
     share = strategy.work(spec, topology, pairs)
@@ -180,11 +247,11 @@ def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: M
 
 def choose(strategies: Sequence[Strategy], spec: Any, topology: Any, block: int,
            machine: Machine, rate_dtype: str | None = None,
-           pairs: np.ndarray | None = None) -> tuple[Strategy, Prediction]:
+           pairs: Any = None) -> tuple[Strategy, Prediction]:
     """The candidate with the smallest predicted forward+backward time among those whose
     memory fits the machine's (all of them when none fits); ties go to the first. ``pairs``
     as in :func:`predict`."""
-    pairs = row_pairs(spec) if pairs is None else pairs
+    pairs = RowPairs.of(spec, pairs)
     preds = [(s, predict(s, spec, topology, block, machine, pairs, rate_dtype)) for s in strategies]
     if not preds:
         raise ValueError("no strategy supports this call")

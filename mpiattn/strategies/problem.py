@@ -27,8 +27,9 @@ from ..layouts import Layout, all_segments, check_shares, describe, layout_key, 
 from ..masks import QuerySide, diagonal
 from ..masks.counts import key_step_for, visible_keys
 from ..masks.ids import global_rows, local_ids
-from ..masks.modifiers import (ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, mask_kind,
-                               mask_mod_identity, check_slopes)
+from ..masks import fingerprint
+from ..masks.maskmod import MaskMod
+from ..masks.modifiers import ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, check_slopes, mask_kind
 from ..masks.sinks import check_sinks
 from . import machines, registry
 from .base import Strategy
@@ -183,7 +184,7 @@ def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
                                                     a.shape[0], a.shape[1])
     if scores.get("mask_mod") is not None:
         fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
-        agreed["mask_mod (its rule, or its module and name)"] = mask_mod_identity(fn)
+        agreed["_mask_mod"] = fingerprint.identity(fn)
     return agreed
 
 
@@ -229,7 +230,10 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
                 mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
             "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
                 None if machine is None else {**machine.to_dict(), "sources": None}),
+            "mask_mod (a named rule's text; a function's module, name, and a CRC-32 of its code "
+            "and captured values)": agreed.pop("_mask_mod", None),
             "score modifiers": agreed, "_mask_keys": None if am is None else am.shape[3],
+            "_mask_hides": am is not None and Modifiers(attn_mask=am).hides,
             "_n": n, "_m": m, "_spec": here, "_machine": machine,
             "_engine": (choice := engines.local_choice(options.engine, here)),
             "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
@@ -309,8 +313,16 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
             mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
                              kept.get("mask_mod"), spec.B, spec.H)
+        fn = kept.get("mask_mod")
+        if fn is not None and not isinstance(fn, MaskMod):  # a plain function: its answers too
+            c.agree(lambda: {"mask_mod's answers on a fixed sample of pairs (CRC-32)":
+                             fingerprint.answers(fn, spec.B, spec.H, N, M, spec.mask.diagonal)},
+                    call="attention's mask_mod")
+        # whether some pair is hidden: from every rank's rows (a float attn_mask may hold -inf
+        # on some ranks only), so that every rank counts the pairs, or none does
+        hides = fn is not None or any(g["_mask_hides"] for g in got)
         pairs = None
-        if registry.needs_choice(options.strategy) and mods is not None and mods.hides:
+        if registry.needs_choice(options.strategy) and hides:
             pairs = _visible_pairs(c, spec, mods)
         strategy, strategy_reason = registry.resolve(spec, c.topology, block, got[0]["_machine"],
                                                      pairs=pairs)

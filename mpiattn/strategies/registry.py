@@ -24,9 +24,9 @@ from typing import Any
 from .allgather import Allgather
 from .base import Strategy
 from .double_ring import DoubleRing
-from .hybrid import PLACEMENTS, Hybrid
+from .hybrid import PLACEMENTS, Hybrid, divisors
 from .materialized import Materialized
-from .model import Prediction, choose, predict, row_pairs
+from .model import Prediction, RowPairs, choose, predict
 from .ring import Ring
 from .ulysses import Ulysses
 
@@ -90,7 +90,7 @@ def resolve(spec: Any, topology: Any, block: int, machine: Any,
     ``machine`` (a :class:`~mpiattn.strategies.machines.Machine`) is needed
     only when there is a choice to make (None otherwise). ``pairs``: the visible keys
     of every query row when the call counted them (an ``attn_mask`` or ``mask_mod``,
-    :mod:`mpiattn.masks.counts`); default :func:`~mpiattn.strategies.model.row_pairs`.
+    :mod:`mpiattn.masks.counts`); default the rules' (:meth:`~mpiattn.strategies.model.RowPairs.of`).
     """
     candidates = pool(spec, topology)
     if not needs_choice(spec.options.strategy):
@@ -122,8 +122,8 @@ def table(spec: Any, topology: Any, block: int, machine: Any,
     from dataclasses import replace
 
     auto_spec = replace(spec, options=replace(spec.options, strategy="auto"))
-    chosen, _ = resolve(auto_spec, topology, block, machine, rate_dtype)
-    pairs = row_pairs(spec)
+    pairs = RowPairs.of_spec(spec)
+    chosen, _ = resolve(auto_spec, topology, block, machine, rate_dtype, pairs)
     rows = []
     for name, strategy in STRATEGIES.items():
         why = strategy.supports(spec, topology)
@@ -141,7 +141,6 @@ def variants(P: int) -> list[str]:
     """Every configured strategy name for ``P`` ranks (for tests and ``plan``): the plain
     names, and every ``hybrid:UxR`` split in each placement."""
     out = [name for name in STRATEGIES if name != "hybrid"]
-    for u in range(1, P + 1):
-        if P % u == 0:
-            out += [f"hybrid:{u}x{P // u}" + ("" if p == PLACEMENTS[0] else f":{p}") for p in PLACEMENTS]
+    for u in divisors(P):
+        out += [f"hybrid:{u}x{P // u}" + ("" if p == PLACEMENTS[0] else f":{p}") for p in PLACEMENTS]
     return out

@@ -76,8 +76,10 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
 def _moved_mask(c: Comm, pb: Any) -> Any:
     """``pb`` with its ``attn_mask`` rows moved to this rank's heads of every query (global order)."""
     mods = pb.mods
-    if mods is None or mods.attn_mask is None or c.size == 1:
+    if mods is None or mods.attn_mask is None:
         return pb
+    if c.size == 1 and all_segments(pb.spec.N, 1, pb.spec.layout)[0] == [(0, pb.spec.N)]:
+        return pb  # one rank whose rows are in global order already
     m, P = mods.attn_mask, c.size
     if m.shape[1] == 1:  # one head for all: every rank needs every row
         m = np.broadcast_to(m, (m.shape[0], P) + m.shape[2:])

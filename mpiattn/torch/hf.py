@@ -26,12 +26,27 @@ Refused, with one error on every rank: ``position_ids`` that are not this
 rank's global positions under the layout (the model would apply RoPE at local
 positions), attention dropout while training, a 4-D ``attention_mask``,
 keys that are not this rank's rows (a transformers cache: generate with
-:func:`generate` instead), and layers of a kind whose mask transformers builds
-itself and this adapter does not read (:data:`REFUSED_LAYERS`: Llama 4's
-``chunked_attention``).
+:func:`generate` instead), and any model with a layer of another kind than
+full or sliding attention (:mod:`mpiattn.torch.hf_layers`, from the config's
+``layer_types``): attention whose mask transformers builds itself and this
+adapter does not read (:data:`REFUSED_LAYERS`: Llama 4's ``chunked_attention``,
+...), and hybrids whose Mamba, linear-attention or convolution layers mix the
+sequence without attention and would see only this rank's rows (Qwen3-Next,
+Jamba, Nemotron-H, LFM2, ...). A forward is checked at its first attention
+layer, the first that calls the adapter (a refused model: at every call), so a
+refusal comes before the forward returns anything. A model without any
+attention layer (Mamba, RWKV) never calls the adapter: only :func:`generate`
+refuses it.
 
-Generation (:func:`generate`, greedy): the prompt runs sharded and every
-layer keeps its rows' keys and values in a :class:`mpiattn.inference.KVCache`
+Llama 4's full-attention layers run; its layers are not handed ``position_ids``,
+which the adapter then cannot check (:data:`UNCHECKED_POSITIONS`: pass them all
+the same), and its NoPE layers scale their queries by local positions, which
+the adapter makes global, exactly, up to ``floor_scale - 1`` rows per rank
+(:mod:`mpiattn.torch.hf_llama4`).
+
+Generation (:func:`generate`, greedy): the prompt (the whole of it on every
+rank, checked) runs sharded and every layer keeps its rows' keys and values in
+a :class:`mpiattn.inference.KVCache`
 (:class:`Generation`, passed down as the model's ``mpiattn_cache=`` keyword);
 each new token then runs on every rank alike, its keys and values appended to
 the sharded caches and its queries attending them (``KVCache.attend``: causal,
@@ -55,19 +70,19 @@ from typing import Any
 import torch
 
 from ..layouts import all_segments, local_lengths, positions
+from . import hf_checks, hf_layers, hf_llama4
 from .functions import attention
+from .hf_layers import REFUSED_LAYERS
 
-__all__ = ["register", "NAME", "REFUSED_LAYERS", "KeyPadding", "Generation", "generate"]
+__all__ = ["register", "NAME", "REFUSED_LAYERS", "UNCHECKED_POSITIONS", "KeyPadding",
+           "Generation", "generate"]
 
 #: The default name of the attention implementation.
 NAME = "mpiattn"
 
-#: Layer kinds (a config's ``layer_types``) refused, and why.
-REFUSED_LAYERS = {
-    "chunked_attention": "masks chunks of attention_chunk_size keys that transformers builds into "
-                         "its own mask (Llama 4; its NoPE layers also scale the queries by local "
-                         "positions)",
-}
+#: Models (a config's ``model_type``) whose decoder layers do not hand ``position_ids`` on to
+#: attention: the adapter cannot check them, and runs on the caller's word.
+UNCHECKED_POSITIONS = {"llama4_text": "Llama 4"}
 
 
 class KeyPadding:
@@ -144,28 +159,37 @@ def _mask(batch_size: int, q_length: int, kv_length: int, *args: Any,
     return KeyPadding(~attention_mask.to(torch.bool))
 
 
-def _layer_kind(module: Any) -> str | None:
-    """The layer's kind in its config's ``layer_types`` (None where the config has none)."""
-    kinds = getattr(getattr(module, "config", None), "layer_types", None)
-    layer = getattr(module, "layer_idx", None)
-    if not kinds or not isinstance(layer, int) or not 0 <= layer < len(kinds):
-        return None
-    return kinds[layer]
-
-
 def _agreed(comm: Any) -> Any:
     from ..comm import get_comm
 
     return get_comm(comm)
 
 
-def _check_rows(c: Any, query: torch.Tensor, key: torch.Tensor, position_ids: Any,
-                layout: Any, dropout: float, mask: Any) -> None:
-    """The checks of a forward (its first layer), decided on every rank alike."""
-    n = int(query.shape[2])
-    sizes = c.allgather_obj(n)
+def _check_positions(config: Any, position_ids: Any, want: torch.Tensor) -> None:
+    """Raise unless the layer was handed this rank's global positions ``want`` (or none, by a
+    model of :data:`UNCHECKED_POSITIONS`)."""
+    if position_ids is None:
+        model = getattr(config, "model_type", None)
+        if model in UNCHECKED_POSITIONS:
+            return
+        raise ValueError(f"mpiattn.torch.hf: the model ({model}) does not hand position_ids on to "
+                         "its attention layers, so the adapter cannot check that it placed this "
+                         "rank's rows at their global positions; not supported")
+    got = position_ids.detach().to("cpu").reshape(-1, len(want))
+    if not bool((got == want).all()):
+        raise ValueError("mpiattn.torch.hf: position_ids must be this rank's global positions "
+                         "(position_ids=mpiattn.torch.shard(torch.arange(N)[None], dim=1)); "
+                         "without them the model applies its positions locally")
 
-    def check() -> None:
+
+def _check_rows(c: Any, module: Any, query: torch.Tensor, key: torch.Tensor, position_ids: Any,
+                layout: Any, dropout: float, mask: Any) -> None:
+    """The checks of a forward (its first attention layer), decided on every rank alike."""
+    n = int(query.shape[2])
+    config = getattr(module, "config", None)
+
+    def local() -> int:
+        hf_layers.check(config)
         if dropout:
             raise ValueError(f"mpiattn.torch.hf: attention dropout {dropout} is not supported "
                              "(set the config's attention_dropout to 0, or call model.eval())")
@@ -176,18 +200,25 @@ def _check_rows(c: Any, query: torch.Tensor, key: torch.Tensor, position_ids: An
             raise ValueError(f"mpiattn.torch.hf: {key.shape[2]} keys beside {n} queries on this "
                              "rank: a transformers cache (generation) is not sharded; pass "
                              "use_cache=False, and decode with mpiattn.inference.KVCache")
+        return n
+
+    sizes = c.allgather_checked(local, call="mpiattn.torch.hf")
+
+    def rows() -> None:
         N = sum(sizes)
         if list(sizes) != list(local_lengths(N, c.size, layout)):
             raise ValueError(f"mpiattn.torch.hf: the ranks hold {sizes} rows, not the {layout!r} "
                              f"layout's shares of {N}: shard with mpiattn.torch.shard(..., layout=)")
-        want = torch.as_tensor(positions(all_segments(N, c.size, layout)[c.rank]))
-        got = None if position_ids is None else position_ids.detach().to("cpu").reshape(-1, n)
-        if got is None or not bool((got == want).all()):
-            raise ValueError("mpiattn.torch.hf: position_ids must be this rank's global positions "
-                             "(position_ids=mpiattn.torch.shard(torch.arange(N)[None], dim=1)); "
-                             "without them the model applies its positions locally")
+        want = _global_rows(c, N, layout)
+        _check_positions(config, position_ids, want)
+        hf_llama4.check(config, want)
 
-    c.allgather_checked(check, call="mpiattn.torch.hf")
+    c.allgather_checked(rows, call="mpiattn.torch.hf")
+
+
+def _global_rows(c: Any, N: int, layout: Any) -> torch.Tensor:
+    """This rank's global positions of a sequence of ``N`` rows."""
+    return torch.as_tensor(positions(all_segments(N, c.size, layout)[c.rank]))
 
 
 class Generation:
@@ -208,6 +239,9 @@ class Generation:
         settings and sinks do not change while the model generates).
     decoding : bool
         False while the prompt runs (sharded); True for the new tokens (the same on every rank).
+    positions : torch.Tensor or None
+        The global positions of the rows being run (this rank's of the prompt, then the new
+        token's), where the model does not hand its layers ``position_ids``.
     """
 
     def __init__(self, comm: Any = None, layout: Any = "contiguous") -> None:
@@ -215,6 +249,7 @@ class Generation:
         self.caches: dict = {}
         self.plans: dict = {}
         self.decoding = False
+        self.positions: torch.Tensor | None = None
 
     def keep(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The prompt's rows of one layer (collective)."""
@@ -255,16 +290,17 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
     causal = bool(getattr(module, "is_causal", True))
     layer = getattr(module, "layer_idx", None)
-    kind = _layer_kind(module)
-    if kind in REFUSED_LAYERS:  # (every rank runs the same layers: the same error everywhere)
-        raise ValueError(f"mpiattn.torch.hf: layer {layer} is a {kind!r} layer, which "
-                         f"{REFUSED_LAYERS[kind]}; not supported")
     if mpiattn_cache is not None and mpiattn_cache.decoding:
+        query = hf_llama4.retuned(module, query, mpiattn_cache.positions)
         out = mpiattn_cache.step(layer, query, key, value, causal=causal, window=window,
                                  scale=scaling, softcap=softcap, sinks=s_aux)
         return out.transpose(1, 2).contiguous(), None
-    if layer in (0, None):
-        _check_rows(_agreed(comm), query, key, position_ids, layout, dropout, attention_mask)
+    up_to = hf_layers.checked_up_to(getattr(module, "config", None))
+    if layer is None or up_to is None or layer <= up_to:  # (its first attention layer)
+        _check_rows(_agreed(comm), module, query, key, position_ids, layout, dropout,
+                    attention_mask)
+    query = hf_llama4.retuned(module, query, partial(_rows, query, position_ids, mpiattn_cache,
+                                                     comm, layout))
     pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
     out = attention(query.contiguous(), key.contiguous(), value.contiguous(), comm=comm,
                     causal=causal, window=window, scale=scaling, softcap=softcap, sinks=s_aux,
@@ -274,45 +310,84 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.transpose(1, 2).contiguous(), None
 
 
+def _rows(query: torch.Tensor, position_ids: Any, gen: Generation | None, comm: Any,
+          layout: Any) -> torch.Tensor:
+    """The global positions of a forward's rows on this rank (checked by its first attention
+    layer); collective where neither the model nor :func:`generate` hands them."""
+    if gen is not None and gen.positions is not None:
+        return gen.positions
+    n = int(query.shape[2])
+    if position_ids is not None:
+        return position_ids.detach().reshape(-1, n)[0]
+    c = _agreed(comm)
+    return _global_rows(c, sum(c.allgather_obj(n)), layout)
+
+
+def _registration(model: Any) -> dict | None:
+    """What :func:`register` gave the model's attention (``comm``, ``layout``), or None."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    fn = ALL_ATTENTION_FUNCTIONS.get(name) if isinstance(name, str) else None
+    return dict(fn.keywords) if isinstance(fn, partial) and fn.func is _attention else None
+
+
 @torch.no_grad()
 def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, comm: Any = None,
-             layout: Any = "contiguous") -> torch.Tensor:
+             layout: Any = None) -> torch.Tensor:
     """Greedy decoding of a model registered with :func:`register`, its prompt sharded (collective).
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
         A causal LM made with ``attn_implementation=register(comm, layout=layout)``.
-    input_ids : torch.Tensor, shape (B, N)
-        The whole prompt, the same on every rank (each runs its rows of it).
+    input_ids : torch.Tensor, shape (B, N), int64 or int32
+        The whole prompt, the same on every rank (each runs its rows of it; checked, by its
+        CRC-32), long enough to give every rank rows under the layout, its ids in the vocabulary.
     max_new_tokens : int
+        At least 1, the same on every rank.
     comm, layout
-        As registered.
+        As registered (default: the registered ones; others are refused).
 
     Returns
     -------
     torch.Tensor, shape (B, max_new_tokens), int64
         The new tokens, the same on every rank (what single-process greedy decoding gives).
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank alike, before the model runs: a prompt not as above, a model not
+        registered, another comm or layout, ``max_new_tokens`` below 1 or not the same everywhere,
+        a layer kind the adapter cannot run (:mod:`mpiattn.torch.hf_layers`); after the prompt's
+        forward, before any token: a model none of whose layers attended through the adapter.
     """
     from .collectives import shard
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    reg = _registration(model) or {}
+    comm = reg.get("comm") if comm is None else comm
+    layout = reg.get("layout", "contiguous") if layout is None else layout
     c = _agreed(comm)
+    hf_checks.agree_prompt(c.allgather_checked(
+        partial(hf_checks.prompt, model, input_ids, max_new_tokens, comm, layout, c.size,
+                _registration(model)), call="mpiattn.torch.hf.generate"))
     B, N = input_ids.shape
     gen = Generation(comm, layout)
+    here = positions(all_segments(N, c.size, layout)[c.rank])
+    gen.positions = torch.as_tensor(here)
     pos = shard(torch.arange(N, device=input_ids.device)[None].expand(B, N), comm=comm, dim=1,
                 layout=layout)
     logits = model(shard(input_ids, comm=comm, dim=1, layout=layout), position_ids=pos,
                    use_cache=False, mpiattn_cache=gen).logits
+    c.allgather_checked(partial(hf_checks.attended, gen), call="mpiattn.torch.hf.generate")
     owner = next(r for r, seg in enumerate(all_segments(N, c.size, layout))
                  if (N - 1) in positions(seg))
-    here = positions(all_segments(N, c.size, layout)[c.rank])
     last = logits[:, int((here == N - 1).argmax())] if c.rank == owner else None
     token = c.bcast_obj(None if last is None else last.argmax(-1).cpu(), root=owner)
     gen.decoding = True
     new = [token]
     for t in range(1, max_new_tokens):
+        gen.positions = torch.tensor([N + t - 1])
         step = torch.full((B, 1), N + t - 1, dtype=torch.long, device=input_ids.device)
         logits = model(token[:, None].to(input_ids.device), position_ids=step, use_cache=False,
                        mpiattn_cache=gen).logits

@@ -48,6 +48,7 @@ from mpiattn.kernels import engines
 from mpiattn.strategies import AttentionSpec, Options, registry
 
 from helpers import dense_attention, host, torch_reference, visible_matrix
+from tolerance import allowances, baseline, check, dtype_of
 
 
 @dataclass(frozen=True)
@@ -156,24 +157,9 @@ ENGINES = list(engines.ENGINES)
 
 
 # ------------------------------------------------------------------ data and references
-def _dtype(name):
-    """The numpy dtype of a case (``bfloat16``: ml_dtypes', imported here)."""
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _eps(dt):
-    if dt.name == "bfloat16":
-        import ml_dtypes
-        return float(ml_dtypes.finfo(dt).eps)
-    return float(np.finfo(dt).eps)
-
-
 @functools.lru_cache(maxsize=1)
 def _data(case, comm):
-    """The case's global arrays, its reference, its baseline and :func:`_allowances` (computed
+    """The case's global arrays, its reference, its baseline and :func:`tolerance.allowances` (computed
     once per case, by rank 0, and broadcast: every rank runs the cases in one order)."""
     return comm.bcast_obj(_kept(case) if comm.rank == 0 else None)
 
@@ -201,7 +187,7 @@ def _kept(case):
 
 def _compute(case):
     rng = np.random.default_rng(case.seed)
-    dt = _dtype(case.dtype)
+    dt = dtype_of(case.dtype)
     Q = rng.standard_normal((case.B, case.H, case.N, case.E)).astype(dt)
     K = rng.standard_normal((case.B, case.Hkv, case.m, case.E)).astype(dt)
     V = rng.standard_normal((case.B, case.Hkv, case.m, case.ev)).astype(dt)
@@ -218,82 +204,9 @@ def _compute(case):
         ref = torch_reference(Q, K, V, dO, vis[:, None], softcap=case.softcap, sinks=sinks)[:6]
     else:
         ref = dense_attention(Q, K, V, vis[:, None], None, dO)
-    base = _baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks)
-    extra = _allowances(Q, K, V, dO, vis[:, None], ref[1], case.softcap, sinks)
+    base = baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks)
+    extra = allowances(Q, K, V, dO, vis[:, None], ref[1], case.softcap, sinks)
     return Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra
-
-
-def _baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None):
-    """Plain attention in the inputs' dtype (torch autograd, else NumPy): the error to beat; with
-    a ``softcap`` and ``sinks`` (torch only) also ``dsinks``."""
-    try:
-        import torch
-    except ImportError:
-        return _numpy_baseline(Q, K, V, dO, vis, dt)
-    G = Q.shape[1] // K.shape[1]
-    tdt = torch.bfloat16 if dt.name == "bfloat16" else None  # via float32: exact for bfloat16
-    as_t = (lambda x: torch.from_numpy(x.astype(np.float32)).to(tdt)) if tdt is not None else (
-        lambda x: torch.from_numpy(np.ascontiguousarray(x)))
-    t = [as_t(x).requires_grad_(True) for x in (Q, K, V)]
-    s = 1 / np.sqrt(Q.shape[-1])
-    Kr, Vr = t[1].repeat_interleave(G, dim=1), t[2].repeat_interleave(G, dim=1)
-    S = (t[0] @ Kr.transpose(-1, -2)) * s
-    if softcap is not None:
-        S = softcap * torch.tanh(S / softcap)
-    mask = torch.from_numpy(np.broadcast_to(vis, S.shape).copy())
-    S = S.masked_fill(~mask, float("-inf"))
-    host_ = lambda x: x.detach().to(torch.float64).numpy() if tdt is not None else x.numpy()  # noqa: E731
-    if sinks is not None:  # one more column in each row's softmax, not a key
-        sk = as_t(np.asarray(sinks, dtype=dt)).requires_grad_(True)
-        col = sk.view(1, -1, 1, 1).expand(*S.shape[:3], 1)
-        lse = torch.logsumexp(torch.cat([S, col], -1), -1)
-        out = torch.exp(S - lse[..., None]) @ Vr
-        out.backward(as_t(dO))
-        return (host_(out.detach()), host_(lse.detach()), host_(t[0].grad), host_(t[1].grad),
-                host_(t[2].grad), host_(sk.grad))
-    lse = torch.logsumexp(S.detach(), dim=-1)
-    P = torch.softmax(S, dim=-1).nan_to_num(0.0)
-    out = P @ Vr
-    out.backward(as_t(dO))
-    return (host_(out.detach()), host_(lse), host_(t[0].grad), host_(t[1].grad), host_(t[2].grad))
-
-
-def _numpy_baseline(Q, K, V, dO, vis, dt):
-    """Plain attention in the inputs' dtype without torch: what a naive same-dtype autograd does.
-
-    Every product is an unblocked ``einsum`` (float32 accumulation for float16, as torch's
-    CPU kernels), every intermediate (scores, probabilities, ``dP``, ``dS``, row sums) is
-    stored in ``dt``; the softmax subtracts the row maximum. Written apart from
-    :func:`dense_attention` (float64 throughout), whose error would otherwise be the
-    baseline's too.
-    """
-    acc = np.dtype(np.float32) if dt == np.float16 else dt
-    G = Q.shape[1] // K.shape[1]
-    Kr, Vr = np.repeat(K, G, axis=1), np.repeat(V, G, axis=1)
-    one = lambda x: np.asarray(x).astype(dt)  # noqa: E731 - a value stored in the dtype
-
-    def mm(sub, a, b):
-        return one(np.einsum(sub, a.astype(acc), b.astype(acc)))
-
-    s = dt.type(1 / np.sqrt(Q.shape[-1]))
-    v4 = np.broadcast_to(vis, Q.shape[:3] + (K.shape[2],))
-    seen = v4.any(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        S = one(np.where(v4, mm("bhnd,bhmd->bhnm", Q, Kr) * s, -np.inf))
-        m = one(np.where(seen, S.max(-1, keepdims=True, initial=-np.inf), 0))
-        Pe = one(np.where(v4, np.exp(S - m), 0))
-        l = one(Pe.sum(-1, keepdims=True))
-        P = one(np.where(seen, Pe / np.where(seen, l, 1), 0))
-        lse = one(np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf))[..., 0]
-    out = mm("bhnm,bhme->bhne", P, Vr)
-    dP = mm("bhne,bhme->bhnm", dO, Vr)
-    D = one((dP * P).sum(-1, keepdims=True))
-    dS = one(P * one(dP - D))
-    dq = one(mm("bhnm,bhmd->bhnd", dS, Kr) * s)
-    fold = lambda x: one(x.reshape(x.shape[0], K.shape[1], G, *x.shape[2:]).astype(acc).sum(2))  # noqa: E731
-    dk = fold(one(mm("bhnm,bhnd->bhmd", dS, Q) * s))
-    dv = fold(mm("bhnm,bhne->bhme", P, dO))
-    return out, lse, dq, dk, dv
 
 
 def _layouts(case, P, seg):
@@ -310,80 +223,6 @@ def _layouts(case, P, seg):
         return mpiattn.balance(n, P, causal=case.causal, window=case.window, segment_ids=seg, **tiles)
     lay = one(case.layout, case.N)
     return lay, (None if case.kv_layout is None else one(case.kv_layout, case.m))
-
-
-# ------------------------------------------------------------------ the rule
-def _allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None):
-    """What one rounding step moves, beyond the outputs' own (float64, per unit epsilon).
-
-    ``lse``: ``1 + s |q| |k|`` (a score's rounding; rows' largest 2-norms);
-    ``D = rowsum(dO * out)``: one step of it per row, ``sum |dO * out|``, and
-    how far that moves ``dq`` (``s D_err P |K|``), ``dk`` (``s P^T D_err |Q|``) and
-    ``dsinks`` (``sum exp(sink - lse) D_err``; a softcap's ``1 - tanh^2 <= 1`` moves less).
-    """
-    B, H, N, E = Q.shape
-    G = H // K.shape[1]
-    s = 1 / np.sqrt(E)
-    Kr, Vr = (np.repeat(x.astype(np.float64), G, axis=1) for x in (K, V))
-    Q, dO = Q.astype(np.float64), dO.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        S = s * Q @ Kr.swapaxes(-1, -2)
-        if softcap is not None:
-            S = softcap * np.tanh(S / softcap)
-        P = np.where(vis, np.exp(S - np.where(np.isfinite(lse), lse, 0)[..., None]), 0.0)
-    d_row = np.abs(dO * (P @ Vr)).sum(-1, keepdims=True)
-    fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
-    top = lambda x: float(np.max(x, initial=0.0))  # noqa: E731
-    qn, kn = np.sqrt((Q ** 2).sum(-1)).max(initial=0), np.sqrt((Kr ** 2).sum(-1)).max(initial=0)
-    out = {"lse": 1.0 + s * qn * kn, "dq": s * top((P * d_row) @ np.abs(Kr)),
-           "dk": s * top(fold((P * d_row).swapaxes(-1, -2) @ np.abs(Q)))}
-    if sinks is not None:
-        out["dsinks"] = top((np.exp(sinks[None, :, None] - lse) * d_row[..., 0]).sum((0, 2)))
-    return out
-
-
-def _check(case, got, ref, base, extra, hops=0, sinks=None):
-    """FlashAttention's rule: one rounding step of an output is the dtype's epsilon at its
-    largest magnitude (``lse``, ``D``: :func:`_allowances`); ``hops`` more steps of the
-    accumulation dtype for ``dk``, ``dv`` and ``dsinks`` (summed on that many more ranks), and
-    one for each partial sum of a gradient beyond the first (its blocks, its heads)."""
-    dt = _dtype(case.dtype)
-    factor = 2.0 if dt == np.float64 else 3.0
-    eps = _eps(dt)
-    eps_acc = float(np.finfo(np.float64 if dt == np.float64 else np.float32).eps)
-    out, lse, dq, dk, dv = got[:5]
-    r_out, r_lse, r_dq, r_dk, r_dv = ref[:5]
-    b_out, b_lse, b_dq, b_dk, b_dv = (np.asarray(x, dtype=np.float64) for x in base[:5])
-    # Blocked sums: each key block's part of dq, each query block's and (GQA) each query head's
-    # part of dk and dv, is rounded once in the accumulation dtype before it is added (the plain
-    # baseline sums in one kernel); one step of each beyond the first
-    blocks = lambda n: -(-n // case.block) if case.block else 1  # noqa: E731
-    kv_parts = blocks(case.N) - 1 + case.H // case.Hkv - 1
-    partials = {"out": 0, "dq": blocks(case.m) - 1, "dk": kv_parts, "dv": kv_parts, "dsinks": 0}
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
-    fin = np.isfinite(r_lse)
-    lse_err = float(np.abs(lse[fin] - r_lse[fin]).max(initial=0.0))
-    lse_base = float(np.abs(b_lse[fin] - r_lse[fin]).max(initial=0.0))
-    lse_step = eps_acc * extra["lse"]  # lse is float32 at least
-    assert lse_err <= factor * lse_base + lse_step, \
-        f"lse: error {lse_err:.3g} > {factor:g} x baseline {lse_base:.3g} + rounding {lse_step:.3g}"
-    named = [("out", out, r_out, b_out), ("dq", dq, r_dq, b_dq), ("dk", dk, r_dk, b_dk),
-             ("dv", dv, r_dv, b_dv)]
-    if sinks is not None:
-        named.append(("dsinks", got[5], ref[5], np.asarray(base[5], dtype=np.float64)))
-    for name, x, r, b in named:
-        x = np.asarray(x, dtype=np.float64)
-        assert np.isfinite(x).all(), f"{name} has NaN/Inf"
-        err = float(np.abs(x - r).max(initial=0.0))
-        base_err = float(np.abs(b - r).max(initial=0.0))
-        step = eps * float(np.abs(r).max(initial=0.0))
-        d_step = eps_acc * extra.get(name, 0.0) if name in ("dq", "dk", "dsinks") else 0.0
-        if name in ("dk", "dv", "dsinks"):
-            d_step += hops * eps_acc * float(np.abs(r).max(initial=0.0))
-        d_step += partials[name] * eps_acc * float(np.abs(r).max(initial=0.0))
-        assert err <= factor * base_err + step + d_step, (
-            f"{name}: error {err:.3g} > {factor:g} x baseline {base_err:.3g} + rounding {step:.3g}"
-            f" + D step {d_step:.3g}")
 
 
 # ------------------------------------------------------------------ the suite
@@ -474,7 +313,8 @@ def test_contract(comm, xp, strategy, engine, case):
     gk = lambda x: host(mpiattn.gather(x, layout=kl, root=None))  # noqa: E731
     got = (gq(out), gq(lse, -1), gq(grads[0]), gk(grads[1]), gk(grads[2]), *map(host, grads[3:]))
     assert len(got) == (6 if case.sinks else 5)
-    _check(case, got, ref, base, extra, hops=P - 1, sinks=sinks)
+    check(case.dtype, got, ref, base, extra, N=case.N, M=case.m, H=case.H, Hkv=case.Hkv,
+          block=case.block, hops=P - 1, sinks=sinks)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

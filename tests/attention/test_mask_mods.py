@@ -59,6 +59,8 @@ def test_a_rule_is_its_text(name):
         mods.parse(f"{name}:" + ",".join(["x"] * len(rule.params)))
     with pytest.raises(ValueError, match=">= "):
         mods.parse(f"{name}:" + ",".join(["-1"] * len(rule.params)))
+    with pytest.raises(ValueError, match="must be <= 9223372036854775807"):  # an int64, as the indices
+        mods.parse(f"{name}:" + ",".join(["100000000000000000000"] * len(rule.params)))
 
 
 def test_an_unknown_rule_names_the_known_ones():

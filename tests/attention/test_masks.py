@@ -353,6 +353,8 @@ BAD = {
     "window-not-pair": (TypeError, "window must be a pair", dict(window=5)),
     "window-float": (TypeError, "window left bound", dict(window=(1.5, 0))),
     "window-bool": (TypeError, "window right bound", dict(window=(1, True))),
+    "window-past-int64": (ValueError, r"window left bound must be at most 2\*\*63 - 1",
+                          dict(window=(2**63, 0))),
     "ids-float": (TypeError, "segment_ids must hold integers", "float"),
     "ids-bool": (TypeError, "segment_ids must hold integers", "bool"),
     "ids-shape": (ValueError, r"segment_ids must have shape \(B, rows\)", "shape"),

@@ -1,6 +1,9 @@
 """The cost model, the machines it knows, and how ``auto`` and ``hybrid`` choose with it."""
 
 import json
+import os
+import resource
+import sys
 
 import numpy as np
 import pytest
@@ -8,8 +11,11 @@ import pytest
 import mpiattn
 from mpiattn import cli
 from mpiattn.comm.topology import Topology
+from mpiattn.layouts import Layout, all_segments, positions
 from mpiattn.strategies import AttentionSpec, Options, machines, model, registry
 from mpiattn.strategies.hybrid import Hybrid
+
+from helpers import run_group
 
 
 def _spec(N=4096, H=8, Hkv=8, E=64, causal=False, dtype="float32", **kw):
@@ -75,10 +81,53 @@ def test_the_model_by_hand():
     hidden = model.predict(registry.get("ring"), spec, topo, 1024, machines.Machine(
         "m", link, link, {"float32": 1e9}, backward_ratio=0.5, overlap=1.0))
     assert hidden.forward_s == pytest.approx(p.compute_s)  # 17 us of transfer behind 1 ms of compute
-    causal = model.row_pairs(_spec(N=8, causal=True))
+    causal = np.diff(model.RowPairs.of_spec(_spec(N=8, causal=True)).before(np.arange(9)))
     assert causal.tolist() == list(range(1, 9))
-    window = model.row_pairs(_spec(N=8, window=(2, 1)))
+    window = np.diff(model.RowPairs.of_spec(_spec(N=8, window=(2, 1))).before(np.arange(9)))
     assert window.tolist() == [2, 3, 4, 4, 4, 4, 4, 3]
+
+
+@pytest.mark.parametrize("N, M", [(1, 1), (13, 13), (13, 5), (5, 13), (40, 17)])
+@pytest.mark.parametrize("rules", [dict(), dict(causal=True), dict(causal="bottom-right"),
+                                   dict(window=(3, None)), dict(window=(None, 2)), dict(window=(0, 0)),
+                                   dict(causal=True, window=(4, 0)), dict(causal="bottom-right", window=(6, 1)),
+                                   dict(window=(100, 100))])
+def test_row_pairs_in_closed_form_are_the_rules_counted_row_by_row(N, M, rules):
+    """RowPairs.of_spec sums the causal and window rules without an array of N rows: the same
+    as MaskSpec.keys_per_row row by row, and per rank under every layout."""
+    o = Options(layout="contiguous", **rules)
+    spec = AttentionSpec.from_shapes((1, 1, N, 4), (1, 1, M, 4), (1, 1, M, 4), "float32", o)
+    per_row = spec.mask.keys_per_row(N, M)
+    closed, counted = model.RowPairs.of_spec(spec), model.RowPairs.counted(per_row)
+    for pairs in (closed, counted):
+        assert np.diff(pairs.before(np.arange(N + 1))).tolist() == per_row.tolist()
+        assert pairs.total == per_row.sum()
+    explicit = Layout([[(N - 1, N)], [(0, N - 1)], []]) if N > 1 else Layout([[(0, 1)], [], []])
+    for P, layout in ((1, "contiguous"), (3, "contiguous"), (3, "zigzag"), (3, explicit)):
+        want = [per_row[positions(s)].sum() for s in all_segments(N, P, layout)]
+        assert closed.per_rank(P, layout).tolist() == want
+        assert counted.per_rank(P, layout).tolist() == want
+
+
+def test_phases_count_nodes_as_the_ranks_do():
+    """The busiest rank of a collective or a ring, counted rank by rank here, on uneven and
+    interleaved nodes: the model's vectorised counts agree."""
+    from mpiattn.strategies.base import ring_phase, spread_phase
+
+    topo = Topology.parse("0,1,0,1,1,2,2", 7)  # nodes {0, 2}, {1, 3, 4}, {5, 6}
+    for groups in ([[0, 1, 2, 3, 4, 5, 6]], [[0, 2, 5], [1, 3, 6]], [[0, 2], [1, 3], [5, 6]]):
+        worst = max((sum(topo.node_of(b) != topo.node_of(a) for b in g), sum(
+            topo.node_of(b) == topo.node_of(a) and b != a for b in g)) for g in groups for a in g)
+        spanning = [a for g in groups for a in g if len({topo.node_of(b) for b in g}) > 1]
+        sharing = max([sum(topo.node_of(a) == n for a in spanning) for n in range(3)] + [1])
+        p = spread_phase(topo, groups, 10.0, 4)
+        assert (p.between, p.inside, p.sharing, p.messages) == (10 * worst[0], 10 * worst[1], sharing, 4)
+        edges = [(a, g[(i + 1) % len(g)]) for g in groups for i, a in enumerate(g) if len(g) > 1]
+        senders = [a for a, b in edges if topo.node_of(a) != topo.node_of(b)]
+        sharing = max([sum(topo.node_of(a) == n for a in senders) for n in range(3)] + [1])
+        r = ring_phase(topo, groups, 5.0, 2, 3)
+        assert (r.between, r.inside, r.sharing) == ((10.0, 0.0) if senders else (0.0, 10.0)) + (sharing,)
+        assert (r.messages, r.steps, r.overlap) == (6, 2, True)
 
 
 def test_machine_files_round_trip(tmp_path):
@@ -220,3 +269,46 @@ def test_counted_pairs_of_a_long_call_are_an_estimate():
     assert step > 100
     est = visible_keys(MaskSpec(), mods, np.arange(n), m, key_step=step)
     assert np.allclose(est, m / 16, rtol=0.05), (est.min(), est.max())
+
+
+#: Sizes ``plan`` accepts (on top of ``--seq 1024 --heads 8 --dim 64``), each a real cluster or the
+#: parser's largest: a plan of any of them returns (at 2**31 heads, 1000 nodes, 65536 ranks it did
+#: not: a list of every head, a model quadratic in the ranks).
+PLAN_SIZES = [["--heads", "2147483647"], ["--heads", "2147483647", "--kv-heads", "1"],
+              ["--nodes", "1000"], ["--nodes", "8192"], ["--ranks-per-node", "65536"],
+              ["--seq", "2147483647", "--causal", "--window", "2147483647,0", "--nodes", "1000"],
+              ["--seq", "2147483647", "--kv-seq", "2147483647", "--batch", "2147483647", "--dim",
+               "2147483647", "--value-dim", "2147483647", "--block-size", "2147483647", "--cache",
+               "2147483647", "--new-tokens", "2147483647", "--chunk", "2147483647"]]
+#: Sizes ``plan`` refuses at once, exit 2: more ranks than it models.
+PLAN_REFUSED = [(["--nodes", "2147483647"], "--nodes: must be <= 65536"),
+                (["--ranks-per-node", "2147483647"], "--ranks-per-node: must be <= 65536"),
+                (["--nodes", "8193"], "65544 ranks; plan models at most 65536")]
+_PLAN_CHILD = """
+import json, sys
+from mpiattn.cli import parser, plan
+for extra in json.loads(sys.argv[1]):
+    args = parser.build_parser("plan").parse_args(["plan", "--seq", "1024", "--heads", "8", "--dim", "64",
+                                                   *extra])
+    print(plan.build(args)["auto"], flush=True)
+"""
+
+
+def _small_address_space():
+    """In the child: at most 8 GiB of address space (a plan that lists what grows fails fast)."""
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+
+def test_plan_of_any_size_returns_and_too_many_ranks_are_refused(serial_only):
+    """Every size in PLAN_SIZES is planned (in a child process of bounded memory and time: no
+    timing beyond "it returns"); PLAN_REFUSED are one usage line each, exit 2."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    code, out, err = run_group([sys.executable, "-c", _PLAN_CHILD, json.dumps(PLAN_SIZES)], 20,
+                               preexec_fn=_small_address_space, env=env)
+    assert code == 0, err
+    assert len(out.split()) == len(PLAN_SIZES)
+    for extra, message in PLAN_REFUSED:
+        code, out, err = run_group([sys.executable, "-m", "mpiattn", "plan", "--seq", "1024", "--heads", "8",
+                                    "--dim", "64", *extra], 20, preexec_fn=_small_address_space, env=env)
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert out == "" and err.count("error:") == 1

@@ -153,6 +153,20 @@ def test_bad_input_exits_1(comm, capsys, shared_dir, kind, message):
         assert np.isnan(whole(out)[0]["out"]).any()
 
 
+def test_a_scale_that_overflows_the_scores_writes_nothing(comm, capsys, shared_dir):
+    """A finite --scale whose scores overflow float32: NaN results are refused (exit 1, nothing
+    written; they were written with exit 0), unless --allow-nonfinite."""
+    inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
+    out = os.path.join(shared_dir, "out.h5")
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--scale", "1e308")
+    assert code == 1 and not os.path.exists(out)
+    if comm.rank == 0:
+        assert "holds NaN or Inf" in err and "--scale" in err and err.count("\n") == 1, err
+    code, _, err = run(comm, capsys, "run", inp, "-o", out, "--scale", "1e308",
+                       "--allow-nonfinite", "-q")
+    assert code == 0, err
+
+
 def test_output_rules(comm, capsys, shared_dir):
     inp = _make(comm, capsys, os.path.join(shared_dir, "in.h5"))
     out = os.path.join(shared_dir, "out.h5")
@@ -198,7 +212,10 @@ USAGE = [["run"], ["run", "in.h5"], ["run", "in.h5", "-o", "o.h5", "--block-size
                                                      "--kv-heads", "2"],
          ["make-data", "o.h5", "--seq", "-4"], ["frobnicate"], ["--bogus"],
          ["run", "in.h5", "-o", "o.h5", "--causal", "--no-causal"],
-         ["run", "in.h5", "-o", "o.h5", "--check-limit-gib", "-1"]]
+         ["run", "in.h5", "-o", "o.h5", "--check-limit-gib", "-1"],
+         ["run", "in.h5", "-o", "o.h5", "--watchdog", "0.001"],  # would "lose" every peer at once
+         ["make-data", "o.h5", "--watchdog", "nan"], ["run", "in.h5", "-o", "o.h5", "--block-size",
+                                                      "2147483648"]]
 
 
 @pytest.mark.parametrize("argv", USAGE, ids=[" ".join(a) for a in USAGE])
@@ -208,6 +225,18 @@ def test_usage_errors_exit_2(comm, capsys, shared_dir, monkeypatch, argv):
     assert code == 2
     if comm.rank == 0:
         assert "error:" in err
+    assert os.listdir(shared_dir) == []
+
+
+def test_make_data_of_an_absurd_size_is_refused_by_the_space_check(comm, capsys, shared_dir):
+    """Bytes past 64 bits are counted as they are (they wrapped round once, and the run went on to
+    allocate): the free-space check refuses the output before any work."""
+    big = 2**31 - 1
+    code, _, err = run(comm, capsys, "make-data", os.path.join(shared_dir, "big.h5"), "--seq", big,
+                       "--heads", big, "-q")  # 2**68 bytes of q: -2**38 in int64
+    assert code == 1
+    if comm.rank == 0:
+        assert "not enough free space" in err and "TiB" in err and "allocate" not in err, err
     assert os.listdir(shared_dir) == []
 
 

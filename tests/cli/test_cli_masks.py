@@ -111,6 +111,9 @@ BAD_FILES = {
                      "kv_segment_ids needs segment_ids"),
     "window-attr": (lambda d: d.update(_window=np.array([-2, 0])), "attribute 'window'"),
     "window-attr-3": (lambda d: d.update(_window=np.array([1, 2, 3])), "attribute 'window'"),
+    "int8-attn-mask": (lambda d: d.update(attn_mask=np.ones((1, 1, 6, 6), np.int8)),
+                       "'attn_mask' has dtype int8; it must be boolean (True = the pair takes part) "
+                       "or real floating point (float16, bfloat16, float32 or float64"),
 }
 
 
@@ -139,6 +142,9 @@ def test_bad_mask_inputs(comm, capsys, shared_dir, kind):
     (["--window", "5"], "expected LEFT,RIGHT"),
     (["--window", "a,0"], "expected an integer or none"),
     (["--layout", "striped"], "invalid choice"),
+    (["--window", "1,99999999999999999999"], "window right must be >= 0 and <= 2147483647"),
+    (["--mask-mod", "chunked:100000000000000000000"], "size must be <= 9223372036854775807"),
+    (["--mask-mod", "streaming:1,-1"], "left must be >= 0"),
 ])
 def test_bad_flags(comm, capsys, shared_dir, argv, message):
     code, _, err = run(comm, capsys, "run", f"{shared_dir}/x.h5", "-o", f"{shared_dir}/y.h5", *argv)

@@ -116,7 +116,9 @@ def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the
     sinks, slopes = rng.standard_normal(2), rng.uniform(0.1, 0.5, 2)
     path = lambda name: os.path.join(shared_dir, name)  # noqa: E731
     prompt = dict(q=q[:, :, :6], k=k[:, :, :6], v=v[:, :, :6])
+    int8 = "'attn_mask' has dtype int8; it must be boolean (True = the pair takes part) or real floating"
     for more, why in [({"attn_mask": np.ones((6, 5), bool)}, "attn_mask has shape (1, 1, 6, 5)"),
+                      ({"attn_mask": np.ones((6, 6), np.int8)}, int8),
                       ({"sinks": np.zeros(3)}, "sinks has shape (3,), expected (H,) = (2,)")]:
         write_h5(comm, path("bad.h5"), **prompt, **more)
         code, _, err = run(comm, capsys, "prefill", path("bad.h5"), "-o", path("none.h5"))
@@ -128,6 +130,7 @@ def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the
     token = dict(q=q[:, :, 6:], k=k[:, :, 6:], v=v[:, :, 6:])
     decode = ("decode", path("c.h5"), "--queries", path("n.h5"), "-o", path("s.h5"))
     for more, flags, why in [({"attn_mask": np.ones((1, 6), bool)}, (), "must span the whole cache"),
+                             ({"attn_mask": np.ones((1, 7), np.int8)}, (), int8),  # not a 0/1 bias
                              ({"sinks": sinks + 1}, (), "holds sinks that differ from those"),
                              ({}, ("--softcap", 3), "--softcap 3 differs from the softcap 2"),
                              ({"alibi_slopes": np.ones(3)}, (), "alibi_slopes has shape (3,)")]:

@@ -71,6 +71,22 @@ def test_singletons_each_fail_and_only_the_first_speaks(serial_only, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_no_mpi_library_is_one_line_with_the_remedy(serial_only, tmp_path):
+    """mpi4py finding no MPI library (a venv without the mpich extra, no site MPI; made here by
+    MPI4PY_LIBMPI naming a missing file): one line saying how to get one, exit 1, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "SLURM_", "OMPI_"))}
+    env.update(MPI4PY_LIBMPI=str(tmp_path / "missing" / "libmpi.so"))
+    env.pop("MPIATTN_TEST_RANKLOG_DIR", None)
+    for argv in (["info"], ["make-data", "out.h5", "--seq", "8"], []):
+        p = subprocess.run([sys.executable, "-m", "mpiattn", *argv], cwd=tmp_path, env=env, text=True,
+                           capture_output=True, timeout=120)
+        assert p.returncode == 1 and p.stdout == "", (p.stdout, p.stderr)
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.startswith("mpiattn: error: mpi4py cannot load an MPI library (")
+        assert "missing/libmpi.so" in p.stderr and "pip install mpich" in p.stderr
+    assert os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------- threads
 def test_threads_share_override_and_report(comm, capsys, shared_dir, monkeypatch):
     for v in resources.THREAD_VARS:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from mpiattn import cli
-from mpiattn.comm.watchdog import Watchdog, peers_of
+from mpiattn.comm.errors import Agreed
+from mpiattn.comm.watchdog import MIN_TIMEOUT_S, Watchdog, peers_of
 from helpers import finish_group, gone_within, job_env, mpiexec
 
 
@@ -35,6 +36,13 @@ def test_peers_watch_each_other_and_reach_every_rank(size):
 def test_a_timeout_must_be_positive(comm):
     with pytest.raises(ValueError, match="timeout must be > 0"):
         Watchdog(comm, 0)
+
+
+def test_a_timeout_under_the_minimum_is_refused_alike(comm):
+    with pytest.raises(ValueError, match=f"at least {MIN_TIMEOUT_S:g} s") as got:
+        Watchdog(comm, MIN_TIMEOUT_S / 2)
+    assert isinstance(got.value, Agreed)  # every rank given the same timeout raises it
+    Watchdog(comm, MIN_TIMEOUT_S)  # the minimum itself is accepted
 
 
 @pytest.mark.mpi(min_size=2)
@@ -90,3 +98,67 @@ def test_a_silent_rank_ends_the_job_with_one_message(serial_only, tmp_path):
     assert code == 1, (code, out, err)
     lines = [ln for ln in (out + err).splitlines() if ln.startswith("mpiattn:")]
     assert len(lines) == 1 and "rank 0 (" in lines[0] and "heard nothing from rank 1" in lines[0], out + err
+
+
+def _job(tmp_path, script, what):
+    """Run ``script`` as a 2-rank job; returns ``(exit code, its output)``."""
+    (tmp_path / "job.py").write_text(script)
+    p = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "job.py"], cwd=tmp_path, env=job_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code, out, err = finish_group(p, 120, what)
+    return code, out + err
+
+
+WAITING_IN_MPI = textwrap.dedent("""
+    import time
+    from mpiattn.comm import get_comm
+    from mpiattn.comm.watchdog import Watchdog
+
+    c = get_comm()
+    fresh = c.mpi.Dup()  # no pickle-based reduce has run on it yet
+    with Watchdog(c, timeout=1.0):
+        if c.rank == 0:
+            time.sleep(3.0)  # a slow rank (a slow file system, a loaded node)
+        # rank 1 waits for it in mpi4py's first pickle-based reduce on `fresh`, which duplicates
+        # `fresh` without releasing Python's lock: its watchdog thread cannot beat meanwhile
+        fresh.allreduce(1)
+    fresh.Free()
+    print(f"rank {c.rank} done", flush=True)
+""")
+
+
+def test_a_rank_waiting_in_mpi_without_python_s_lock_is_not_taken_for_a_lost_one(serial_only, tmp_path):
+    """The first rank at mpiattn's first collective check on a communicator waits holding
+    Python's lock, as long as the slowest rank takes to come: it is well, and its MPI still
+    matches the heartbeats sent to it (synchronous sends), so nobody aborts."""
+    code, out = _job(tmp_path, WAITING_IN_MPI, "the job hung")
+    assert code == 0 and "heard nothing" not in out, out
+    assert sorted(ln for ln in out.splitlines() if ln.endswith(" done")) == ["rank 0 done", "rank 1 done"]
+
+
+HELD_AT_ONCE = textwrap.dedent("""
+    import ctypes, time
+    from mpiattn.comm import get_comm
+    from mpiattn.comm.watchdog import Watchdog
+
+    hold = ctypes.PyDLL(None).usleep  # a C call that keeps Python's lock (as loading a big
+                                      # extension module does): this rank's watchdog cannot run
+    c = get_comm()
+    with Watchdog(c, timeout=4.0):  # (counted: about 2.6 s of silence; the margin for a
+        c.barrier()                     # loaded CI machine's scheduling, seen short at 3 s)
+        if c.rank == 0:
+            time.sleep(0.5)  # rank 0 watches rank 1, held from now on, for a while ...
+            hold(4_500_000)  # ... then is held too, and wakes first
+        else:
+            hold(5_500_000)
+        c.barrier()
+    print(f"rank {c.rank} done", flush=True)
+""")
+
+
+def test_ranks_held_at_the_same_time_do_not_blame_each_other(serial_only, tmp_path):
+    """Every rank's Python held at once, past the timeout: a rank whose own watchdog could not
+    run does not count that pause as its peer's silence."""
+    code, out = _job(tmp_path, HELD_AT_ONCE, "the job hung")
+    assert code == 0 and "heard nothing" not in out, out
+    assert sorted(ln for ln in out.splitlines() if ln.endswith(" done")) == ["rank 0 done", "rank 1 done"]

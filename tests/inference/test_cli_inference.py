@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+import pytest
 
 from helpers import reference, run_cli as run, whole, write_h5
 
@@ -67,3 +68,43 @@ def test_decode_errors_leave_every_file_as_it_was(comm, capsys, shared_dir):
         assert open(cache, "rb").read() == before  # the cache was never touched
         assert sorted(os.listdir(shared_dir)) == ["bad.h5", "c.h5", "p.h5"]
     comm.barrier()
+
+
+#: Every subcommand that takes --scale, with the rest of its arguments (files that do not exist:
+#: a bad scale is refused before anything is read).
+SCALED = [["run", "in.h5", "-o", "out.h5"], ["make-data", "out.h5"], ["prefill", "in.h5", "-o", "cache.h5"],
+          ["decode", "cache.h5", "--queries", "q.h5", "-o", "out.h5"]]
+
+
+@pytest.mark.parametrize("scale", ["nan", "inf", "-inf", "1e999", "x"])
+@pytest.mark.parametrize("argv", SCALED, ids=[a[0] for a in SCALED])
+def test_every_scale_option_refuses_what_is_not_a_finite_number_alike(comm, capsys, shared_dir,
+                                                                      monkeypatch, argv, scale):
+    monkeypatch.chdir(shared_dir)
+    code, _, err = run(comm, capsys, *argv, f"--scale={scale}")
+    assert code == 2
+    if comm.rank == 0:
+        want = "expected a number" if scale == "x" else "must be finite"
+        assert f"{argv[0]}: error: argument --scale: {want}" in err and "Traceback" not in err, err
+    assert os.listdir(shared_dir) == []
+
+
+def test_an_engine_that_cannot_take_the_call_is_a_usage_error_in_every_subcommand(comm, capsys, shared_dir):
+    """--engine fused on NumPy arrays: exit 2 and one line before any work, from run, prefill and
+    decode alike (prefill and decode left it to the library, exit 1)."""
+    rng = np.random.default_rng(23)
+    Q = rng.standard_normal((1, 2, 12, 4)).astype(np.float32)
+    K = rng.standard_normal((1, 1, 12, 4)).astype(np.float32)
+    inp, cache, new = (os.path.join(shared_dir, n) for n in ("p.h5", "c.h5", "q.h5"))
+    write_h5(comm, inp, q=Q, k=K, v=K)
+    write_h5(comm, new, q=Q[:, :, -1:], k=K[:, :, -1:], v=K[:, :, -1:])
+    assert run(comm, capsys, "prefill", inp, "-o", cache, "-q")[0] == 0
+    out = os.path.join(shared_dir, "out.h5")
+    for argv in (["run", inp, "-o", out], ["prefill", inp, "-o", out],
+                 ["decode", cache, "--queries", new, "-o", out], ["decode", cache, "--queries", new, "-o",
+                                                                 out, "--append"]):
+        code, _, err = run(comm, capsys, *argv, "--engine", "fused", "--device", "cpu")
+        assert code == 2
+        if comm.rank == 0:
+            assert "error: --engine fused: the fused engine does not run on numpy arrays" in err, err
+    assert sorted(os.listdir(shared_dir)) == ["c.h5", "p.h5", "q.h5"]
