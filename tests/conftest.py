@@ -72,6 +72,10 @@ def shared_dir(comm):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soaks: a search that --soak SECONDS runs for longer")
+
+
 def pytest_addoption(parser):
     parser.addoption("--launches-only", action="store_true", default=False,
                      help="in one process, run only the tests that launch their own MPI jobs")
@@ -87,8 +91,14 @@ _COMMUNICATES = {"comm", "shared_dir"}
 def pytest_collection_modifyitems(config, items):
     """Under several ranks, leave out (deselect) the tests that take no communicator (see the
     module docstring): a skipped test still costs pytest's whole protocol, about 3 ms here.
-    In one process with ``--launches-only``, leave out all but the launching tests."""
+    In one process with ``--launches-only``, leave out all but the launching tests. With
+    ``--soak SECONDS``, the tests that take it (the search) get that much more time."""
     names = lambda item: set(getattr(item, "fixturenames", ()))  # noqa: E731
+    soak = config.getoption("soak")
+    if soak:
+        for item in items:
+            if "pytestconfig" in names(item) and item.get_closest_marker("soaks"):
+                item.add_marker(pytest.mark.timeout(soak + 600))
     if _WORLD.Get_size() == 1:
         if config.getoption("launches_only"):
             serial = [item for item in items if "serial_only" not in names(item)]

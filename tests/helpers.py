@@ -13,6 +13,8 @@
 ``visible_matrix``  the dense (B, N, M) visibility of causal, window, document and padding rules
 ``dense_attention``  float64 attention of global arrays restricted to a dense visibility mask
 ``install_fake_cupy``  the fake CuPy of ``fake_cupy.py`` in ``sys.modules``, GPU caches emptied
+``count_validations``  count the calls of ``mpiattn.strategies.problem.validate`` (a call's
+                 validation) wherever the package looks it up
 """
 
 import os
@@ -348,3 +350,24 @@ def strategy_runs_engines(strategy):
     """Whether ``strategy`` runs an engine (materialized runs the products instead)."""
     from mpiattn.strategies import registry
     return registry.get(strategy).uses_engine
+
+
+def count_validations(monkeypatch):
+    """A list that grows by one at every call of :func:`mpiattn.strategies.problem.validate`
+    (one call's local checks, agreement and planning), however a module of the package
+    reached it: the counting wrapper replaces it in every loaded module that holds it
+    (``strategies.plan`` for plans and the one-shot forward, ``strategies.api`` for the
+    one-shot backward)."""
+    import mpiattn.strategies.api  # noqa: F401 - loads it and strategies.plan, which look it up
+    from mpiattn.strategies import problem
+
+    real, calls = problem.validate, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if (name == "mpiattn" or name.startswith("mpiattn.")) and getattr(module, "validate", None) is real:
+            monkeypatch.setattr(module, "validate", counting)
+    return calls

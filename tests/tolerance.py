@@ -115,8 +115,10 @@ def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale
 
     In steps of the accumulation dtype:
 
-    * ``lse``: ``1 + s |q| |k| + |bias|`` (a score's rounding: the rows' largest 2-norms, the
-      largest finite term added);
+    * ``lse``: ``1 + s |q| |k| + |bias| + 2 |lse|`` (a score's rounding: the rows' largest
+      2-norms, the largest finite term added; and ``m + log(l)`` rounded twice at its own
+      magnitude, which ``P = exp(y - lse)`` and ``exp(sink - lse)`` inherit: the search, a
+      float64 ``dsinks`` of two queries 2 steps past the rule without it);
     * the backward's ``P = exp(y - lse)``, recomputed from ``lse`` (which the one-graph baseline
       never does), is off by one ``lse`` step relatively: ``dv`` moves by ``lse P^T |dO|``, and
       ``dS = P (dP - D)`` by ``lse P (|dO| |V| + |D|)`` (the rounding of a difference that may
@@ -154,7 +156,9 @@ def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale
     fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
     top = lambda x: float(np.max(x, initial=0.0))  # noqa: E731
     qn, kn = np.sqrt((Q ** 2).sum(-1)).max(initial=0), np.sqrt((Kr ** 2).sum(-1)).max(initial=0)
-    step = 1.0 + s * qn * kn + added
+    # (and lse = m + log(l) rounds twice at its own magnitude: P's and exp(sink - lse)'s share)
+    lse_mag = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
+    step = 1.0 + s * qn * kn + added + 2 * lse_mag
     # dS = P (dP - D): its rounding is relative to |dP| + |D| (which may cancel), not to dS
     g = P * (np.abs(dO) @ np.abs(Vr).swapaxes(-1, -2) + d_row)
     pd = P * d_row
@@ -193,9 +197,10 @@ def check(dtype, got, ref, base, extra, *, N, M, H, Hkv, block=None, hops=0, sin
     fin = np.isfinite(r_lse)
     lse_err = float(np.abs(lse[fin] - r_lse[fin]).max(initial=0.0))
     lse_base = float(np.abs(b_lse[fin] - r_lse[fin]).max(initial=0.0))
-    lse_step = eps_acc * extra["lse"]  # lse is float32 at least
-    # and one step of its own magnitude for each merge of partial rows (key blocks, ranks:
-    # m + log(l) rounded again; the search: 3 ranks' 34 keys, 4 steps off an exact baseline)
+    lse_step = eps_acc * extra["lse"]  # lse is float32 at least (two steps of its own magnitude
+    # included: m + log(l), the search's 3 keys 2 steps off an exact baseline); one more for each
+    # merge of partial rows (key blocks, ranks: m + log(l) rounded again; the search: 3 ranks'
+    # 34 keys, 4 steps off)
     lse_step += (hops + partials["dq"]) * eps_acc * float(np.abs(r_lse[fin]).max(initial=0.0))
     assert lse_err <= factor * lse_base + lse_step, \
         f"lse: error {lse_err:.3g} > {factor:g} x baseline {lse_base:.3g} + rounding {lse_step:.3g}"

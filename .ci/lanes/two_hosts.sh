@@ -17,7 +17,7 @@
 #   * interleaved (-per-host 1: nodes {0,2}, {1,3}): topology, traffic and the contract suite of
 #     the two-level strategies without the shape sweep;
 #   * the search over the contract (tests/attention/test_property.py: hypothesis' drawn calls,
-#     40 of them, in the collective checking mode);
+#     100 of them, in the collective checking mode);
 #   * the fault cases, from outside the cluster (tests/two_hosts/test_faults.py: SIGKILL of one
 #     host's ranks, the link cut during a ring step, SIGTERM to the launcher during a write);
 #   * Open MPI over the same hosts (plm_rsh_agent), when the openmpi lane left its venv.
@@ -86,8 +86,8 @@ pytest_on 200 interleaved -per-host 1 -n 4 -- tests/core/test_topology.py tests/
     tests/attention/test_contract.py -k "not test_contract or ((double-ring or hybrid) and not flash)"
 interleaved_rc=$?
 
-step "on 2 hosts x 2 ranks: the search over the contract (tests/attention/test_property.py, 40 calls)"
-export MPIATTN_PROPERTY_EXAMPLES=40
+step "on 2 hosts x 2 ranks: the search over the contract (tests/attention/test_property.py, 100 calls)"
+export MPIATTN_PROPERTY_EXAMPLES=100
 pytest_on 300 search -n 4 -- -s tests/attention/test_property.py
 search_rc=$?
 unset MPIATTN_PROPERTY_EXAMPLES

@@ -4,9 +4,11 @@ Modules, bottom to top:
 
 ``errors``
     collective error agreement (the same exception on every rank, or abort);
+``rows``
+    row collectives as MPI calls (explicit datatypes; an all-to-all of point-to-point messages);
 ``core``
     :class:`Comm`, a thin wrapper of one duplicated intracommunicator:
-    point-to-point and row collectives with explicit datatypes;
+    point-to-point and row collectives;
 ``ring``
     the ring pipeline :func:`circulate` (double-buffered ``Isend``/``Irecv``);
 ``transports``

@@ -6,7 +6,8 @@ Everything that crosses ranks goes through :class:`Comm`:
   which the ring pipeline (:mod:`mpiattn.comm.ring`) is built;
 * row-wise collectives on contiguous buffers with explicit datatypes:
   ``gatherv_rows``, ``allgatherv_rows``, ``reduce_scatterv_rows``,
-  ``alltoallv_rows``, ``allreduce_``;
+  ``alltoallv_rows``, ``allreduce_`` (each method its collective point; the
+  MPI calls behind it in :mod:`mpiattn.comm.rows`);
 * collective error agreement (:mod:`mpiattn.comm.errors`) as methods.
 
 CuPy buffers go through the Comm's ``device_transport``, which
@@ -38,18 +39,12 @@ import contextlib
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
 from .. import backend
-from . import errors, node
+from . import errors, node, rows
 from .discipline import Discipline, checking_timeout
 from .topology import Topology
 
 __all__ = ["Comm", "Request", "get_comm", "find_comm"]
-
-#: The tag of :meth:`Comm.alltoallv_rows`' messages (none of the ring's, the merge's or the writer's).
-ALLTOALL_TAG = 7501
-
 
 #: The MPI attribute key under which a user's communicator keeps its :class:`Comm`
 #: (created once MPI runs; the only process-wide object here, MPI's own kind of key).
@@ -261,7 +256,7 @@ class Comm:
         finally:
             self._abort_hooks.remove(hook)
 
-    def _count(self, per_dest: dict) -> None:
+    def count_bytes(self, per_dest: dict) -> None:
         """Add the bytes this rank sends to each destination (itself excluded) to the counters
         (a sub-communicator's to its parent's as well)."""
         for dest, nbytes in per_dest.items():
@@ -271,7 +266,7 @@ class Comm:
                     self.bytes_between += nbytes
         if self._parent is not None:
             parent, ranks = self._parent
-            parent._count({ranks[d]: nbytes for d, nbytes in per_dest.items()})
+            parent.count_bytes({ranks[d]: nbytes for d, nbytes in per_dest.items()})
 
     def split(self, ranks: Sequence[int]) -> "Comm":
         """The Comm of a sub-communicator of the given ranks of this one (collective on this Comm).
@@ -317,12 +312,15 @@ class Comm:
                 "call mpiattn.comm.device.prepare(comm, *arrays) at a point every rank reaches")
         return self.device_transport
 
-    def _send_buf(self, arr: Any) -> Any:
+    def send_buffer(self, arr: Any) -> Any:
+        """What MPI sends of ``arr``: the array itself, or the device transport's buffer of a CuPy array."""
         if not backend.is_cupy_array(arr):
             return arr
         return self._device().send_buf(arr)
 
-    def _recv_buf(self, arr: Any, keep: bool = False) -> tuple[Any, Callable[[], None] | None]:
+    def recv_buffer(self, arr: Any, keep: bool = False) -> tuple[Any, Callable[[], None] | None]:
+        """What MPI receives into for ``arr``, and what completes it after the receive (None: nothing;
+        a CuPy array through the device transport; ``keep``: its contents are sent as well)."""
         if not backend.is_cupy_array(arr):
             return arr, None
         return self._device().recv_buf(arr, keep=keep)
@@ -330,7 +328,7 @@ class Comm:
     def isend(self, arr: Any, dest: int, tag: int) -> Request:
         """Non-blocking send of a contiguous array (as bytes)."""
         if dest != self.rank:
-            self._count({dest: int(arr.nbytes)})
+            self.count_bytes({dest: int(arr.nbytes)})
         if backend.is_cupy_array(arr):
             return self._device().isend(arr, dest, tag)
         from mpi4py import MPI
@@ -345,15 +343,7 @@ class Comm:
 
         return Request(self.mpi.Irecv([arr, arr.nbytes, MPI.BYTE], source=source, tag=tag), arr)
 
-    # ----------------------------------------------------------- ring pipeline
     # ------------------------------------------------------ row collectives
-    def _rowtype(self, row_nbytes: int) -> Any:
-        from mpi4py import MPI
-
-        t = MPI.BYTE.Create_contiguous(max(1, row_nbytes))
-        t.Commit()
-        return t
-
     def gatherv_rows(self, x: Any, counts: Sequence[int], root: int | None = 0) -> Any:
         """Gather the rows (axis 0) of contiguous arrays with equal trailing shapes.
 
@@ -361,32 +351,7 @@ class Comm:
         ``root`` (every rank when ``root`` is None), else None.
         """
         self.discipline.point("Comm.gatherv_rows")
-        xp = backend.array_module(x)
-        row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
-        total = int(sum(counts))
-        want = root is None or root == self.rank
-        out = xp.empty((total,) + x.shape[1:], dtype=x.dtype) if want else None
-        if row_nbytes == 0 or total == 0:
-            return out
-        self._count({d: int(x.nbytes) for d in (range(self.size) if root is None else [root])})
-        t = self._rowtype(row_nbytes)
-        try:
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            sbuf = self._send_buf(x)
-            if out is not None:
-                rbuf, finish = self._recv_buf(out)
-                rspec = [rbuf, (list(map(int, counts)), list(map(int, displs))), t]
-            else:
-                rbuf, finish, rspec = None, None, None
-            if root is None:
-                self.mpi.Allgatherv([sbuf, x.shape[0], t], rspec)
-            else:
-                self.mpi.Gatherv([sbuf, x.shape[0], t], rspec, root=root)
-            if finish is not None:
-                finish()
-        finally:
-            t.Free()
-        return out
+        return rows.gatherv(self, x, counts, root)
 
     def allgatherv_rows(self, x: Any, counts: Sequence[int]) -> Any:
         """:meth:`gatherv_rows` to every rank."""
@@ -397,59 +362,10 @@ class Comm:
 
         Rows ``[sum(send_counts[:d]), sum(send_counts[:d+1]))`` go to rank ``d``;
         the result holds the rows from rank 0, 1, ... in order.
-
-        Point-to-point messages, not ``MPI_Alltoallv``: every rank posts its
-        receives (from rank ``r - k``) and sends (to ``r + k``), ``k = 1 .. P-1``,
-        at once and copies its own rows. pip's MPICH 5.0.2 runs ``MPI_Alltoallv``
-        of 16 MiB per destination at 0.06-0.08 GB/s when waiting ranks yield
-        (``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``) and at 1.7 GB/s otherwise, where
-        the same bytes as point-to-point messages move at 6-14 GB/s (2 ranks,
-        shared memory, measured 2026-12-02); the cost model counts a link's
-        bandwidth.
+        Point-to-point messages, not ``MPI_Alltoallv`` (why: :mod:`mpiattn.comm.rows`).
         """
-        from mpi4py import MPI
-
         self.discipline.point("Comm.alltoallv_rows")
-        xp = backend.array_module(x)
-        row_nbytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
-        out = xp.empty((int(sum(recv_counts)),) + x.shape[1:], dtype=x.dtype)
-        if row_nbytes == 0:
-            return out
-        self._count({d: row_nbytes * int(cnt) for d, cnt in enumerate(send_counts)})
-        sc, rc = [int(n) for n in send_counts], [int(n) for n in recv_counts]
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(int).tolist()
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(int).tolist()
-        t = self._rowtype(row_nbytes)
-        try:
-            sbuf = self._send_buf(x)
-            rbuf, finish = self._recv_buf(out)
-            P, me = self.size, self.rank
-            reqs = []
-            for k in range(1, P):
-                src = (me - k) % P
-                if rc[src]:
-                    reqs.append(self.mpi.Irecv([rbuf[rd[src]:rd[src] + rc[src]], rc[src], t], src, ALLTOALL_TAG))
-            for k in range(1, P):
-                dst = (me + k) % P
-                if sc[dst]:
-                    reqs.append(self.mpi.Isend([sbuf[sd[dst]:sd[dst] + sc[dst]], sc[dst], t], dst, ALLTOALL_TAG))
-            if sc[me]:
-                rbuf[rd[me]:rd[me] + rc[me]] = sbuf[sd[me]:sd[me] + sc[me]]
-            MPI.Request.Waitall(reqs)
-            if finish is not None:
-                finish()
-        finally:
-            t.Free()
-        return out
-
-    def _typed(self, dtype: Any) -> Any:
-        from mpi4py import MPI
-
-        types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
-        try:
-            return types[np.dtype(dtype)]
-        except KeyError:
-            raise TypeError(f"reductions need float32 or float64 buffers, got {dtype}") from None
+        return rows.alltoallv(self, x, send_counts, recv_counts)
 
     def allreduce_(self, x: Any) -> Any:
         """Sum a contiguous float32/float64 array over all ranks, in place; returns ``x``.
@@ -458,43 +374,15 @@ class Comm:
         a broadcast: MPI only *recommends* that ``MPI_Allreduce`` give every
         rank the same bits, and replicated parameters must never drift apart).
         """
-        from mpi4py import MPI
-
         if self.size == 1 or x.size == 0:
             return x
         self.discipline.point("Comm.allreduce_")
-        self._count({0: int(x.nbytes)} if self.rank else {d: int(x.nbytes) for d in range(self.size)})
-        buf, finish = self._recv_buf(x, keep=True)
-        spec = [buf, self._typed(x.dtype)]
-        self.mpi.Reduce(MPI.IN_PLACE if self.rank == 0 else spec, spec if self.rank == 0 else None,
-                        op=MPI.SUM, root=0)
-        self.mpi.Bcast(spec, root=0)
-        if finish is not None:
-            finish()
-        return x
+        return rows.allreduce(self, x)
 
     def reduce_scatterv_rows(self, x: Any, counts: Sequence[int]) -> Any:
         """Sum ``x`` (rows along axis 0, float32/float64) over ranks; rank r keeps its ``counts[r]`` rows.
 
         Row ``[sum(counts[:r]), sum(counts[:r+1]))`` of the sum lands on rank r.
         """
-        from mpi4py import MPI
-
         self.discipline.point("Comm.reduce_scatterv_rows")
-        xp = backend.array_module(x)
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        out = xp.empty((int(counts[self.rank]),) + x.shape[1:], dtype=x.dtype)
-        if self.size == 1:
-            out[...] = x
-            return out
-        if row == 0:
-            return out
-        self._count({d: row * x.dtype.itemsize * int(cnt) for d, cnt in enumerate(counts)})
-        sbuf = self._send_buf(xp.ascontiguousarray(x))
-        rbuf, finish = self._recv_buf(out)
-        self.mpi.Reduce_scatter([sbuf, self._typed(x.dtype)],
-                                [rbuf, self._typed(x.dtype)],
-                                [int(c) * row for c in counts], op=MPI.SUM)
-        if finish is not None:
-            finish()
-        return out
+        return rows.reduce_scatterv(self, x, counts)

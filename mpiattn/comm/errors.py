@@ -282,13 +282,16 @@ def abort_on_error(mpi_comm: Any, hooks: Sequence[Callable[[], Any]] = ()) -> It
     reporting an environmental error, so that a signal arriving at the same
     time is what the message names. A ``KeyboardInterrupt`` (Ctrl-C) here
     ends the job with exit code 130: the other ranks may be inside MPI
-    waiting for this one, where no Python exception can reach them.
+    waiting for this one, where no Python exception can reach them. An
+    :class:`Agreed` exception (raised alike on every rank at one collective
+    point, e.g. the collective checking mode's :class:`CallMismatch`) needs no
+    abort: it propagates.
     """
     try:
         yield
     except BaseException as exc:
         size = mpi_comm.Get_size()
-        if size == 1:
+        if size == 1 or isinstance(exc, Agreed):
             raise
         rank = mpi_comm.Get_rank()
         interrupted = isinstance(exc, KeyboardInterrupt)

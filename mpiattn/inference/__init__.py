@@ -13,6 +13,8 @@
     steps planned once (:meth:`KVCache.plan_attend`);
 ``prefill``
     a sharded chunk against the cache: pass-KV and pass-Q, and the rule between them;
+``stored``
+    a cache's file: read back at any rank count, written whole or not at all;
 ``cache``
     :class:`KVCache`, the public object (``mpiattn.KVCache``).
 """

@@ -6,7 +6,7 @@ alike (:meth:`KVCache.append`, placed in pages by
 :mod:`mpiattn.inference.placement`) or by a sharded chunk
 (:meth:`KVCache.prefill`); attended by a few new queries every rank holds
 (:meth:`KVCache.attend`, :mod:`mpiattn.inference.decode`); saved
-(:meth:`KVCache.save`, :mod:`mpiattn.io.kvstore`). Every row keeps its
+(:meth:`KVCache.save`; the file: :mod:`mpiattn.inference.stored`). Every row keeps its
 global position, so causal and window rules hold in positions whatever
 rank a row lives on. NumPy and CuPy arrays run the same code.
 
@@ -26,26 +26,20 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..comm.device import prepare
-from ..io.atomic import Target, publish
-from ..io.kvstore import cache_target, read_cache_meta, read_cache_rows
-from ..io.naming import NEW, REPLACE, Rule
+from ..io.atomic import Target
+from ..io.naming import NEW, Rule
 from ..io.publishing import Outputs
-from ..io.writing import Rows
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE
+from . import stored
 from .decode import DecodePlan, checksum, decode
-from .placement import PAGE_ROWS, POLICY, Placement, check_page
+from .placement import PAGE_ROWS, Placement, check_page
 from .prefill import choose, chunk_checks, pass_kv, pass_q, runs_of
-from .shard import Shard
+from .shard import Shard, nonfinite
 
 __all__ = ["KVCache"]
-
-
-def _nonfinite(xp: Any, *named: tuple[str, Any]) -> str | None:
-    """The name of the first array holding NaN or Inf, or None."""
-    return next((name for name, x in named if x.size and not bool(xp.isfinite(x).all())), None)
 
 
 class KVCache:
@@ -157,7 +151,7 @@ class KVCache:
                 raise ValueError(f"k {k.shape} and v {v.shape} must agree in batch, heads and rows")
             if k.shape[1] < 1:
                 raise ValueError("k has no key/value head")
-            bad = _nonfinite(xp, ("k", k), ("v", v)) if check_finite else None
+            bad = nonfinite(xp, ("k", k), ("v", v)) if check_finite else None
             if bad:
                 raise ValueError(f"{bad} holds NaN or Inf ({SKIP_FINITE})")
             check_layout(layout)
@@ -210,32 +204,9 @@ class KVCache:
         still that file.
         """
         c = get_comm(comm)
-        path = os.fspath(path)
-        with c.collective_errors():
-            if device not in ("numpy", "cupy"):
-                raise ValueError(f"device must be 'numpy' or 'cupy', got {device!r}")
-            page = None if page is None else check_page(page)
-        meta = read_cache_meta(c, path)
-        M = meta["M"]
-        seg = all_segments(M, c.size, "contiguous")[c.rank]
-        start, stop = (seg[0][0], seg[0][0] + seg[0][1]) if seg else (0, 0)
-        k, v = read_cache_rows(c, path, meta, start, stop)
-        with c.collective_errors():
-            if check_finite and _nonfinite(np, ("k", k), ("v", v)):
-                raise ValueError(f"the cache {path} holds NaN or Inf keys or values (near "
-                                 f"positions {start}..{stop - 1}; {SKIP_FINITE})")
-        if device == "cupy":
-            import cupy
-
-            k, v = cupy.asarray(k), cupy.asarray(v)
-        page = meta["page"] if page is None else page
-        counts = [sum(n for _, n in s) for s in all_segments(M, c.size, "contiguous")]
-        prepare(c, k, v)
-        shard = Shard(backend.array_module(k), k.dtype, meta["B"], meta["Hkv"], meta["E"],
-                      meta["Ev"], page)
-        shard.adopt(k, v, np.arange(start, stop, dtype=np.int64))
-        cache = cls(c, shard, Placement.start(counts, page))
-        cache.identity = tuple(meta["identity"])
+        shard, placement, identity = stored.read(c, path, page, device, check_finite)
+        cache = cls(c, shard, placement)
+        cache.identity = identity
         return cache
 
     # -------------------------------------------------------------- growing
@@ -276,7 +247,7 @@ class KVCache:
                                      f"({s.B}, {s.Hkv}, t, {F}), got {x.shape}")
             if k_new.shape[2] != v_new.shape[2]:
                 raise ValueError(f"append: k_new has {k_new.shape[2]} rows, v_new {v_new.shape[2]}")
-            bad = _nonfinite(xp, ("k_new", k_new), ("v_new", v_new)) if check_finite else None
+            bad = nonfinite(xp, ("k_new", k_new), ("v_new", v_new)) if check_finite else None
             if bad:
                 raise ValueError(f"append: {bad} holds NaN or Inf ({SKIP_FINITE})")
             runs, _ = self.placement.place(int(k_new.shape[2]))  # every rank places alike
@@ -454,15 +425,7 @@ class KVCache:
                attrs: dict | None = None) -> Target:
         """The cache as a file to publish (collective): :meth:`save`'s file, named by ``rule``,
         for :func:`mpiattn.io.publish` beside other files (an output and the cache grown for it)."""
-        kx, vx, _ = self.shard.whole()
-        lay = self.layout()
-        meta = {"length": self.length, "page": self.page, "placement": POLICY,
-                "ranks": self.comm.size, "rows_per_rank": list(self.placement.counts),
-                **dict(attrs or {})}
-        return cache_target(self.comm, os.path.abspath(os.fspath(path)),
-                            Rows(backend.to_host(kx), self.length, 2, lay),
-                            Rows(backend.to_host(vx), self.length, 2, lay), meta, extra=extra,
-                            rule=rule)
+        return stored.target(self, path, rule, extra, attrs)
 
     def save(self, path: str | os.PathLike, *, force: bool = False, grow: bool = False,
              extra: dict | None = None, attrs: dict | None = None,
@@ -498,12 +461,4 @@ class KVCache:
             On every rank alike (``mpiattn.io.ChangedError`` when ``grow``
             finds another file); ``path`` is then unchanged.
         """
-        c = self.comm
-        path = os.path.abspath(os.fspath(path))
-        c.agree(lambda: {"save's path": path, "save's force": bool(force), "save's grow": bool(grow)})
-        with errors.alike():
-            if grow and self.identity is None:
-                raise ValueError("save(grow=True) replaces the file the cache was loaded from; this "
-                                 "cache was not loaded from a file")
-        rule = Rule.grows(self.identity) if grow else (REPLACE if force else NEW)
-        publish(c, [self.target(path, rule=rule, extra=extra, attrs=attrs)], outputs=outputs)
+        stored.save(self, path, force, grow, extra, attrs, outputs)

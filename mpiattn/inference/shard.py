@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import backend
 
-__all__ = ["Block", "Shard"]
+__all__ = ["Block", "Shard", "nonfinite"]
 
 
 @dataclass
@@ -152,3 +152,9 @@ class Shard:
             idx = backend.to_device(order, xp)
             k, v, pos = k[:, :, idx], v[:, :, idx], pos[order]
         return xp.ascontiguousarray(k), xp.ascontiguousarray(v), pos
+
+
+def nonfinite(xp: Any, *named: tuple[str, Any]) -> str | None:
+    """The name of the first of the ``(name, array)`` pairs whose array holds NaN or Inf, or None
+    (rows refused before they join a shard)."""
+    return next((name for name, x in named if x.size and not bool(xp.isfinite(x).all())), None)

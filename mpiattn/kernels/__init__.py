@@ -2,8 +2,10 @@
 
 ``engine``
     what an engine is: the interface and its declared capabilities;
-``native``
-    mpiattn's own blocked kernels on NumPy or CuPy (the math);
+``tiling``
+    folded query rows, scratch buffers, the walk over the tiles a query sees;
+``native``, ``native_backward``
+    mpiattn's own blocked kernels on NumPy (the math; its backward), ``native_cuda`` on CuPy;
 ``call``
     what an engine is told of a pass (one object);
 ``native_engine``, ``torch_engine``
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 from .engine import Capabilities, Engine
 from .engines import ENGINES, NAMES, get, local_choice
-from .native import DEFAULT_TILE, TAU
+from .native import TAU
+from .tiling import DEFAULT_TILE
 
 __all__ = ["Capabilities", "Engine", "ENGINES", "NAMES", "get", "local_choice", "DEFAULT_TILE",
            "TAU"]

@@ -5,15 +5,9 @@ These run on one rank and know nothing of MPI. The distributed strategies in
 or an all-to-all) with their *global* row indices. They are the reference
 implementation: every dtype, mask and device.
 
-Row layout
-----------
-Queries are kept "folded": ``q`` of shape ``(B, H, n, E)`` with
-``H = G * Hkv`` query heads per key/value head becomes ``qs`` of shape
-``(B, Hkv, n*G, E)``, row ``i*G + g`` holding query position ``i`` of query
-head ``kv*G + g`` (torch's ``repeat_interleave`` convention), multiplied by the
-softmax scale ``s`` and cast to the accumulation dtype. One GEMM then serves
-all ``G`` query heads of a key/value head, and blocks of consecutive rows are
-blocks of consecutive query positions (what causal skipping needs).
+Queries are kept "folded" (:mod:`mpiattn.kernels.tiling`): ``qs`` of shape
+``(B, Hkv, n*G, E)`` holds the ``G = H // Hkv`` query heads of a key/value
+head, multiplied by the softmax scale ``s``, so one GEMM serves them all.
 
 Math (per query block, over key blocks ``c``; Milakov & Gimelshein 2018,
 Dao et al. 2022/2023)::
@@ -44,30 +38,29 @@ Backward, recomputing ``P`` from ``lse``::
 is multiplied by ``s`` once at the end; ``- lse`` and ``- D`` are folded into
 their GEMMs by an extra column, as in the forward pass.)
 
-This module's tile loops are the host's (NumPy): the lazy rescale and the
-shift columns save passes over the tile on a CPU, where a data-dependent
-branch costs nothing. CuPy arrays run :mod:`mpiattn.kernels.native_cuda`
+This module's tile loops are the host's (NumPy) forward: the lazy rescale and
+the shift columns save passes over the tile on a CPU, where a data-dependent
+branch costs nothing; the host backward is :mod:`mpiattn.kernels.native_backward`
+(its names re-exported here). CuPy arrays run :mod:`mpiattn.kernels.native_cuda`
 instead (the same math with an exact running maximum, float16 GEMM operands
 and no host synchronisation).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from .. import backend
 from ..masks import BlockMask
+from .native_backward import BackwardInputs, backward_block
+from .tiling import DEFAULT_TILE, Workspace, fold_queries, key_tiles, unfold_rows
 
 __all__ = ["fold_queries", "unfold_rows", "Workspace", "ForwardState", "BackwardInputs",
            "forward_block", "finalize", "backward_block", "DEFAULT_TILE", "TAU"]
-
-#: Default tile edge (rows of queries x rows of keys) for the score block.
-DEFAULT_TILE = 512
 
 #: Folded query rows (queries x heads per key/value head) up to which a block is read in place,
 #: one GEMV-like pass over each key and value tile (:func:`_tile_few`, decode steps).
@@ -82,74 +75,6 @@ TAU = 8.0
 #: overflow in float32 (``exp(88)``) while sums stay exact to rounding.
 GROWTH = 30.0
 _GROWTH_LIMIT = {"f": np.float32(math.exp(GROWTH)), "d": np.float64(math.exp(GROWTH))}
-
-
-def fold_queries(q: Any, hkv: int, scale: float | None, dtype: Any, pad: int = 0) -> Any:
-    """``(B, H, n, F)`` -> ``(B, Hkv, n*G, F + pad)`` in ``dtype``, times ``scale`` if given.
-
-    The ``pad`` extra columns are left uninitialised (the kernels use them to
-    fold a per-row shift into a GEMM).
-    """
-    xp = backend.array_module(q)
-    B, H, n, F = q.shape
-    if H == hkv and not pad and scale is None and q.dtype == dtype:
-        return q  # nothing to fold, scale or cast: the caller's array (read only)
-    G = H // hkv
-    out = xp.empty((B, hkv, n, G, F + pad), dtype=dtype)
-    body = out[..., :F] if pad else out
-    body[...] = q.reshape(B, hkv, G, n, F).transpose(0, 1, 3, 2, 4)
-    if scale is not None:
-        body *= scale
-    return out.reshape(B, hkv, n * G, F + pad)
-
-
-def unfold_rows(x: Any, h: int) -> Any:
-    """Inverse of :func:`fold_queries` for ``(B, Hkv, n*G, ...)`` -> ``(B, H, n, ...)`` (a copy)."""
-    xp = backend.array_module(x)
-    B, hkv, nG = x.shape[:3]
-    rest = x.shape[3:]
-    G = h // hkv
-    n = nG // G if G else 0
-    y = x.reshape((B, hkv, n, G) + rest)
-    y = xp.moveaxis(y, 3, 2)
-    return xp.ascontiguousarray(y).reshape((B, h, n) + rest)
-
-
-class Workspace:
-    """Reusable scratch buffers, so the tile loop allocates nothing.
-
-    ``get(name, shape, dtype)`` returns a C-contiguous array of ``shape``
-    carved from a grow-only flat buffer kept under ``name`` (its contents are
-    whatever was there before).
-    """
-
-    def __init__(self, xp: Any):
-        self.xp = xp
-        self._bufs: dict[str, Any] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        size = math.prod(shape)
-        buf = self._bufs.get(name)
-        if buf is None or buf.size < size or buf.dtype != dtype:
-            buf = self.xp.empty(max(size, 1), dtype=dtype)
-            self._bufs[name] = buf
-        return buf[:size].reshape(shape)
-
-    def with_ones(self, name: str, x: Any, k0: int, k1: int, dtype: Any) -> Any:
-        """``[x[k0:k1], 1]``: ``(B, Hkv, k1-k0, F+1)`` in ``dtype`` (the ones column sums a GEMM's rows)."""
-        F = x.shape[-1]
-        xo = self.get(name, x.shape[:2] + (k1 - k0, F + 1), dtype)
-        xo[..., :F] = x[..., k0:k1, :]
-        xo[..., F] = 1
-        return xo
-
-    def transposed(self, name: str, x: Any, k0: int, k1: int, dtype: Any) -> Any:
-        """``[x[k0:k1]^T ; 1]``: ``(B, Hkv, F+1, k1-k0)`` in ``dtype`` (the ones row carries a GEMM shift)."""
-        F = x.shape[-1]
-        xt = self.get(name, x.shape[:2] + (F + 1, k1 - k0), dtype)
-        xt[..., :F, :] = x[..., k0:k1, :].swapaxes(-1, -2)
-        xt[..., F, :] = 1
-        return xt
 
 
 @dataclass
@@ -189,41 +114,6 @@ class ForwardState:
         return cls(qa, xp.full(lead, -np.inf, dtype=qa.dtype), xp.zeros(lead, dtype=qa.dtype),
                    xp.zeros(lead + (ev,), dtype=qa.dtype), Workspace(xp),
                    xp.full(lead, -np.inf, dtype=qa.dtype) if max_logit else None)
-
-
-def _tiles(n: int, t: int) -> range:
-    return range(0, n, max(1, t))
-
-
-def _query_tiles(mask: BlockMask, j0: int, j1: int, group: int,
-                 tile: int) -> Iterator[tuple[int, int, int, int, str]]:
-    """Query tiles that see at least one key of ``j0:j1``: ``(i0, i1, r0, r1, visibility)``.
-
-    ``i0:i1`` are query rows, ``r0:r1`` the same as folded rows (``group`` per query).
-    """
-    n = mask.q_pos.size
-    for i0 in _tiles(n, tile):
-        i1 = min(i0 + tile, n)
-        vis = mask.visibility(i0, i1, j0, j1)
-        if vis != "none":
-            yield i0, i1, i0 * group, i1 * group, vis
-
-
-def _key_tiles(mask: BlockMask, group: int, tile: int) -> Iterator[tuple[int, int, Iterator]]:
-    """Key tiles ``j0:j1`` that some query sees, each with its :func:`_query_tiles`.
-
-    A key tile's operands are prepared only for these, so a key tile (or a
-    whole block) with no visible pair costs host checks only.
-    """
-    n, nk = mask.q_pos.size, mask.k_pos.size
-    for j0 in _tiles(nk, tile):
-        j1 = min(j0 + tile, nk)
-        if mask.visibility(0, n, j0, j1) == "none":
-            continue
-        tiles = _query_tiles(mask, j0, j1, group, tile)
-        first = next(tiles, None)
-        if first is not None:
-            yield j0, j1, itertools.chain((first,), tiles)
 
 
 def _rebase(xp: Any, st: ForwardState, S: Any, r: Any, r0: int, r1: int) -> None:
@@ -280,7 +170,7 @@ def forward_block(st: ForwardState, group: int, k: Any, v: Any, mask: BlockMask,
     lead = st.qa.shape[:2]
     n = mask.q_pos.size
     few = n * group <= FEW_ROWS  # decode: read each key once, in place (no tile copies)
-    for j0, j1, tiles in _key_tiles(mask, group, tile):
+    for j0, j1, tiles in key_tiles(mask, group, tile):
         if few:
             kv = (k[..., j0:j1, :].astype(dt, copy=False), v[..., j0:j1, :].astype(dt, copy=False))
             for i0, i1, r0, r1, vis in tiles:
@@ -415,106 +305,3 @@ def finalize(st: ForwardState) -> tuple[Any, Any]:
     o = st.o / l_safe[..., None]
     lse = xp.where(seen, st.m + xp.log(l_safe), st.l.dtype.type(-np.inf))
     return o, lse
-
-
-@dataclass
-class BackwardInputs:
-    """Folded inputs of the backward pass, with the shift columns of its GEMMs.
-
-    Attributes
-    ----------
-    qa : (B, Hkv, n*G, E+1)
-        Scaled queries, last column ``-lse`` (a huge negative finite number
-        where ``lse = -inf``, so that such rows get probabilities 0).
-    doa : (B, Hkv, n*G, Ev+1)
-        Output gradient, last column ``-D`` with ``D = rowsum(dO * O)``.
-    ws : Workspace
-    """
-
-    qa: Any
-    doa: Any
-    ws: Workspace
-
-    @classmethod
-    def start(cls, q: Any, dout: Any, lse: Any, D: Any, hkv: int, scale: float,
-              dtype: Any) -> "BackwardInputs":
-        """Fold ``q (B,H,n,E)``, ``dout (B,H,n,Ev)``, ``lse, D (B,H,n)``."""
-        xp = backend.array_module(q)
-        dt = np.dtype(dtype)
-        qa = fold_queries(q, hkv, scale, dt, pad=1)
-        lse_f = fold_queries(lse[..., None], hkv, None, dt)[..., 0]
-        qa[..., -1] = xp.where(xp.isneginf(lse_f), dt.type(-np.finfo(dt).max / 4), -lse_f)
-        doa = fold_queries(dout, hkv, None, dt, pad=1)
-        doa[..., -1] = -fold_queries(D[..., None], hkv, None, dt)[..., 0]
-        return cls(qa, doa, Workspace(xp))
-
-
-def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMask,
-                   dq: Any, dk: Any, dv: Any, tile: int = DEFAULT_TILE) -> None:
-    """Accumulate the gradients of one key/value block (in place).
-
-    Parameters
-    ----------
-    bi : BackwardInputs
-        Folded queries, output gradient, ``lse`` and ``D``.
-    group, k, v, mask, tile
-        As in :func:`forward_block`.
-    dq : (B, Hkv, n*G, E)
-        Accumulates ``dS K`` (multiply by the scale once at the end).
-    dk, dv : (B, Hkv, k, E), (B, Hkv, k, Ev)
-        Accumulate ``dS^T qs`` and ``P^T dO`` for this block.
-
-    Notes
-    -----
-    FLOPs: ``10 * B * H * n * k * E`` for visible tiles (five GEMMs).
-    """
-    xp = backend.array_module(bi.qa)
-    qa, doa, ws = bi.qa, bi.doa, bi.ws
-    dt = qa.dtype
-    lead = qa.shape[:2]
-    E, Ev = qa.shape[-1] - 1, doa.shape[-1] - 1
-    for j0, j1, tiles in _key_tiles(mask, group, tile):
-        kk = j1 - j0
-        kc = xp.ascontiguousarray(k[..., j0:j1, :], dtype=dt)
-        kt = ws.transposed("kt", k, j0, j1, dt)
-        vt = ws.transposed("vt", v, j0, j1, dt)
-        dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]
-        f = mask.transform
-        for i0, i1, r0, r1, vis in tiles:
-            rows = lead + (r1 - r0,)
-            bias = mask.bias(xp, i0, i1, j0, j1, dt, group, vis)
-            if f is None:
-                P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
-            else:  # P = exp(f(x) + bias - lse); T keeps what f's chain rule needs
-                T = xp.matmul(qa[..., r0:r1, :E], kt[..., :E, :], out=ws.get("T", rows + (kk,), dt))
-                P = f.saving_(T, out=ws.get("P", rows + (kk,), dt))
-                P += qa[..., r0:r1, E, None]
-            if bias is not None:
-                P += bias
-            xp.exp(P, out=P)
-            dv_c += _rows_product(xp, ws, "dv", P, doa[..., r0:r1, :Ev], group)
-            dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
-            dS *= P
-            if f is not None:  # dS *= dy/dx
-                f.chain_(dS, T)
-            dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
-            dk_c += _rows_product(xp, ws, "dk", dS, qa[..., r0:r1, :E], group)
-
-
-def _rows_product(xp: Any, ws: Workspace, name: str, A: Any, F: Any, group: int) -> Any:
-    """``A^T F`` summed over folded rows: ``(B, Hkv, r*G, k)``, ``(B, Hkv, r*G, f)`` -> ``(B, Hkv, k, f)``.
-
-    With a head group (``G > 1``) each query head's product is formed on its
-    own and the ``G`` of them are summed after, as autograd through
-    ``repeat_interleave`` does: one GEMM over all ``r*G`` folded rows sums
-    them in another order, a few rounding steps less accurate for long
-    groups (the contract suite's rule, float64 MQA).
-    """
-    lead, k, f = A.shape[:2], A.shape[-1], F.shape[-1]
-    if group == 1:
-        return xp.matmul(A.swapaxes(-1, -2), F, out=ws.get(name, lead + (k, f), A.dtype))
-    r = A.shape[-2] // group
-    per_head = xp.matmul(A.reshape(lead + (r, group, k)).transpose(0, 1, 3, 4, 2),
-                         F.reshape(lead + (r, group, f)).transpose(0, 1, 3, 2, 4),
-                         out=ws.get(name + "-heads", lead + (group, k, f), A.dtype))
-    return per_head.sum(axis=2, out=ws.get(name, lead + (k, f), A.dtype))

@@ -40,7 +40,7 @@ import numpy as np
 from .. import backend, gemm
 from ..masks import BlockMask
 from . import fused
-from .native import Workspace, _key_tiles, fold_queries
+from .tiling import Workspace, fold_queries, key_tiles
 
 __all__ = ["DeviceForward", "DeviceBackward", "forward_block", "backward_block", "device_tile",
            "TILE_SECONDS"]
@@ -211,7 +211,7 @@ def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask
     acc, op = st.o.dtype, st.q.dtype
     B, hkv = st.q.shape[:2]
     k, v = k.astype(op, copy=False), v.astype(op, copy=False)
-    for j0, j1, tiles in _key_tiles(mask, group, tile):
+    for j0, j1, tiles in key_tiles(mask, group, tile):
         kk = j1 - j0
         kt, vt = k[..., j0:j1, :].swapaxes(-1, -2), v[..., j0:j1, :]
         masking = _Masking(xp, mask, j0, j1, acc)
@@ -284,7 +284,7 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
     acc, op = bs.lse.dtype, bs.q.dtype
     B, hkv = bs.q.shape[:2]
     k, v = k.astype(op, copy=False), v.astype(op, copy=False)
-    for j0, j1, tiles in _key_tiles(mask, group, tile):
+    for j0, j1, tiles in key_tiles(mask, group, tile):
         kk = j1 - j0
         kc, vc = k[..., j0:j1, :], v[..., j0:j1, :]
         dk_c, dv_c = dk[..., j0:j1, :], dv[..., j0:j1, :]

@@ -1,12 +1,13 @@
 """The native engine: mpiattn's own kernels behind the engine interface.
 
 Every dtype, device and mask rule; the reference the other engines are
-checked against. NumPy arrays run :mod:`mpiattn.kernels.native`, CuPy
+checked against. NumPy arrays run :mod:`mpiattn.kernels.native` (its
+backward :mod:`mpiattn.kernels.native_backward`), CuPy
 arrays :mod:`mpiattn.kernels.native_cuda`. The ``fused`` engine is the
 same code with the fused CuPy kernels of :mod:`mpiattn.kernels.fused` for
 a tile's elementwise work (CuPy only; chosen by name like any engine).
 Blocks are cut into score tiles of ``tile`` rows; its preferred exchanged
-block is one tile: :data:`mpiattn.kernels.native.DEFAULT_TILE` rows on the
+block is one tile: :data:`mpiattn.kernels.tiling.DEFAULT_TILE` rows on the
 host, the tile sized from the devices on CuPy (``spec.tile``, agreed by
 every rank, :func:`mpiattn.kernels.native_cuda.device_tile`).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from .. import backend
 from ..masks import RULES
 from ..masks.modifiers import ENGINE_MODIFIERS
-from . import native, native_cuda
+from . import native, native_backward, native_cuda, tiling
 from .engine import Capabilities, Engine, KernelCall
 
 __all__ = ["NativeEngine", "FusedEngine"]
@@ -45,11 +46,11 @@ class _Forward:
 
     def result(self) -> tuple[Any, Any]:
         o, lse = (native_cuda.finalize if self.device else native.finalize)(self.st)
-        return native.unfold_rows(o, self.h), native.unfold_rows(lse[..., None], self.h)[..., 0]
+        return tiling.unfold_rows(o, self.h), tiling.unfold_rows(lse[..., None], self.h)[..., 0]
 
     def max_logit(self) -> np.ndarray:
         """The largest ``scale q . k`` of a visible pair per query head, float64 host ``(H,)``."""
-        top = native.unfold_rows(self.st.xmax[..., None], self.h)[..., 0]  # (B, H, n)
+        top = tiling.unfold_rows(self.st.xmax[..., None], self.h)[..., 0]  # (B, H, n)
         if top.shape[0] * top.shape[2] == 0:
             return np.full(self.h, -np.inf)
         return backend.to_host(top.max(axis=(0, 2))).astype(np.float64)
@@ -65,7 +66,7 @@ class _Backward:
             self.bi = native_cuda.DeviceBackward.start(q, dout, lse, D, hkv, scale, acc, fused)
             lead = self.bi.q.shape[:-1]
         else:
-            self.bi = native.BackwardInputs.start(q, dout, lse, D, hkv, scale, acc)
+            self.bi = native_backward.BackwardInputs.start(q, dout, lse, D, hkv, scale, acc)
             lead = self.bi.qa.shape[:-1]
         self.dq = xp.zeros(lead + (q.shape[3],), dtype=acc)
 
@@ -73,12 +74,12 @@ class _Backward:
         if self.device:
             native_cuda.backward_block(self.bi, self.group, k, v, mask, self.dq, dk, dv, self.tile)
         else:
-            native.backward_block(self.bi, self.group, k, v, mask, self.dq, dk, dv, self.tile)
+            native_backward.backward_block(self.bi, self.group, k, v, mask, self.dq, dk, dv, self.tile)
 
     def result(self) -> Any:
         if not self.device:
             self.dq *= self.scale
-        return native.unfold_rows(self.dq, self.h)
+        return tiling.unfold_rows(self.dq, self.h)
 
 
 class NativeEngine(Engine):
@@ -93,8 +94,8 @@ class NativeEngine(Engine):
     fused = False
 
     def block_rows(self, spec: Any, max_rows: int) -> int:
-        """One score tile (``spec.tile``, else :data:`mpiattn.kernels.native.DEFAULT_TILE` rows)."""
-        return spec.tile or native.DEFAULT_TILE
+        """One score tile (``spec.tile``, else :data:`mpiattn.kernels.tiling.DEFAULT_TILE` rows)."""
+        return spec.tile or tiling.DEFAULT_TILE
 
     def tile_rows(self, spec: Any) -> int | None:
         """This rank's preferred tile for ``spec`` (local): sized from the device on CuPy."""

@@ -48,7 +48,7 @@ from .. import backend
 from ..masks import BlockMask
 from . import torch_ops
 from .engine import Capabilities, Engine, KernelCall
-from .native import DEFAULT_TILE
+from .tiling import DEFAULT_TILE
 
 __all__ = ["TorchEngine", "runs"]
 

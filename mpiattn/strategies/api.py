@@ -19,7 +19,7 @@ from typing import Any
 
 from ..comm.core import get_comm
 from .base import Progress
-from .plan import AttentionPlan, plan_attention
+from .plan import backward_problem, plan_attention
 from .problem import validate
 
 __all__ = ["attention", "attention_backward"]
@@ -198,5 +198,4 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
                    "sinks": sinks})
     if details is not None:
         details.update(pb.details())
-    return AttentionPlan(c, pb, {}, None).run_backward(dout, q, k, v, out, lse, key_padding_mask,
-                                                       progress)
+    return backward_problem(c, pb, dout, q, k, v, out, lse, key_padding_mask, progress)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..io.jsonfile import read_json, write_json
@@ -176,9 +176,6 @@ class Machine:
     def save(self, path: str) -> None:
         """Write this machine as JSON (whole or not at all)."""
         write_json(path, self.to_dict())
-
-    def with_rates(self, **rates: float) -> "Machine":
-        return replace(self, rates={**self.rates, **rates})
 
 
 def _optional(value: Any) -> float | None:

@@ -11,7 +11,10 @@ arrays are the planned ones (shapes, dtype, backend, and finiteness when
 run the strategy: the form for a training or decode loop, as mpi4py-fft's
 ``PFFT(comm, shape, ...)`` is made once and called cheaply.
 :func:`mpiattn.attention` and :func:`mpiattn.attention_backward` are the
-one-shot forms on top of it.
+one-shot forms on top of it: the first makes a plan and runs it, the second
+validates its call (``dout``, ``out`` and ``lse`` checked with the rest) and
+runs :func:`backward_problem`, the backward every plan runs. A layer keeps its
+last plan while it fits (:func:`reuse_or_plan`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .base import Progress
 from .problem import Problem, validate
 from .spec import SKIP_FINITE, AttentionSpec, Options
 
-__all__ = ["AttentionPlan", "plan_attention"]
+__all__ = ["AttentionPlan", "plan_attention", "forward_problem", "backward_problem", "reuse_or_plan"]
 
 
 class AttentionPlan:
@@ -143,38 +146,81 @@ class AttentionPlan:
 
     def run_forward(self, q: Any, k: Any, v: Any, mask: Any, progress: Progress,
                     sinks: Any = None, details: dict | None = None) -> tuple[Any, Any]:
-        """The forward on arrays known to fit the plan (no check); ``sinks`` (H,) host float64 or
-        None (the plan's); ``details`` gets ``max_logit`` when the plan returns it."""
-        c, pb = self.comm, self.problem
-        sinks = pb.sinks if sinks is None else sinks
-        if pb.spec.mask.max_logit:
-            pb = replace(pb, tally={"max_logit": np.full(pb.spec.H, -np.inf)})
-        with c.abort_on_error():
-            o, lse = pb.strategy.forward(c, pb, q, k, v, mask, progress)
-            if sinks is not None:
-                o, lse = add_sinks(o.astype(pb.spec.acc_dtype, copy=False),
-                                   lse.astype(pb.spec.acc_dtype, copy=False), sinks)
-        if pb.tally is not None:
-            top = np.max(np.stack(c.allgather_obj(pb.tally["max_logit"])), axis=0)
-            if details is not None:
-                details["max_logit"] = top
-        return o.astype(pb.spec.dtype, copy=False), lse.astype(pb.spec.acc_dtype, copy=False)
+        """The forward on arrays known to fit the plan (no check): :func:`forward_problem`."""
+        return forward_problem(self.comm, self.problem, q, k, v, mask, progress, sinks, details)
 
     def run_backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, mask: Any,
                      progress: Progress, sinks: Any = None) -> tuple:
-        """The backward on arrays known to fit the plan (no check): ``dq, dk, dv``, and ``dsinks``
-        (float64 host ``(H,)``, summed over every rank) when the call has sinks."""
-        c, pb = self.comm, self.problem
-        sinks = pb.sinks if sinks is None else sinks
-        acc = pb.spec.acc_dtype
-        D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
-        with c.abort_on_error():
-            dq, dk, dv = pb.strategy.backward(c, pb, dout, q, k, v, out, lse, D, mask, progress)
-        dt = pb.spec.dtype
-        grads = (dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False))
-        if sinks is None:
-            return grads
-        return grads + (sink_gradient(c, sinks, lse.astype(acc, copy=False), D),)
+        """The backward on arrays known to fit the plan (no check): :func:`backward_problem`."""
+        return backward_problem(self.comm, self.problem, dout, q, k, v, out, lse, mask, progress,
+                                sinks)
+
+
+def forward_problem(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any, progress: Progress,
+                    sinks: Any = None, details: dict | None = None) -> tuple[Any, Any]:
+    """The forward of a validated call ``pb`` on arrays it was validated for (collective; no check).
+
+    Parameters
+    ----------
+    c : Comm
+    pb : Problem
+        From :func:`mpiattn.strategies.problem.validate` (every rank's, agreed).
+    q, k, v, mask, progress
+        This rank's arrays, its ``key_padding_mask`` (or None), the progress callback.
+    sinks : ndarray (H,), host float64, optional
+        This call's sinks (default the problem's).
+    details : dict, optional
+        Gets ``max_logit`` when the call returns it.
+
+    Returns
+    -------
+    out : array (B, H, n_r, Ev), the call's dtype
+    lse : array (B, H, n_r), the accumulation dtype
+    """
+    sinks = pb.sinks if sinks is None else sinks
+    if pb.spec.mask.max_logit:
+        pb = replace(pb, tally={"max_logit": np.full(pb.spec.H, -np.inf)})
+    with c.abort_on_error():
+        o, lse = pb.strategy.forward(c, pb, q, k, v, mask, progress)
+        if sinks is not None:
+            o, lse = add_sinks(o.astype(pb.spec.acc_dtype, copy=False),
+                               lse.astype(pb.spec.acc_dtype, copy=False), sinks)
+    if pb.tally is not None:
+        top = np.max(np.stack(c.allgather_obj(pb.tally["max_logit"])), axis=0)
+        if details is not None:
+            details["max_logit"] = top
+    return o.astype(pb.spec.dtype, copy=False), lse.astype(pb.spec.acc_dtype, copy=False)
+
+
+def backward_problem(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                     mask: Any, progress: Progress, sinks: Any = None) -> tuple:
+    """The backward of a validated call ``pb`` on arrays it was validated for (collective; no
+    check): what :meth:`AttentionPlan.backward` and the one-shot
+    :func:`mpiattn.attention_backward` run once their checks have passed.
+
+    Parameters
+    ----------
+    c, pb, q, k, v, mask, progress, sinks
+        As in :func:`forward_problem`.
+    dout, out, lse
+        The output's gradient, the forward's ``out`` and ``lse``.
+
+    Returns
+    -------
+    tuple
+        ``dq, dk, dv`` in the call's dtype, and ``dsinks`` (float64 host ``(H,)``, summed over
+        every rank) when the call has sinks.
+    """
+    sinks = pb.sinks if sinks is None else sinks
+    acc = pb.spec.acc_dtype
+    D = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+    with c.abort_on_error():
+        dq, dk, dv = pb.strategy.backward(c, pb, dout, q, k, v, out, lse, D, mask, progress)
+    dt = pb.spec.dtype
+    grads = (dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False))
+    if sinks is None:
+        return grads
+    return grads + (sink_gradient(c, sinks, lse.astype(acc, copy=False), D),)
 
 
 def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
@@ -229,3 +275,32 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
               "out": ((B, H, n, v.shape[3]), q.dtype), "lse": ((B, H, n), None)}
     padding = None if key_padding_mask is None else tuple(key_padding_mask.shape)
     return AttentionPlan(c, pb, shapes, padding)
+
+
+def reuse_or_plan(plan: AttentionPlan | None, q: Any, k: Any, v: Any, c: Comm, *,
+                  key_padding_mask: Any = None, **options: Any) -> AttentionPlan:
+    """``plan`` when every rank's arrays and options fit it, else a new plan for them
+    (collective; the same answer on every rank).
+
+    What a layer that attends arrays of the same shapes call after call keeps between calls
+    (:class:`mpiattn.MultiheadAttention`, :class:`mpiattn.torch.MultiheadAttention`): while the
+    shapes stay, a call costs :meth:`AttentionPlan.fits` (one small agreement) instead of a
+    validation.
+
+    Parameters
+    ----------
+    plan : AttentionPlan or None
+        The plan of the previous call (None: none yet).
+    q, k, v, c, key_padding_mask
+        As in :func:`plan_attention` (``c`` a Comm: a plan of another one never fits).
+    **options
+        :class:`mpiattn.Options` fields, or ``options=``.
+
+    Returns
+    -------
+    AttentionPlan
+    """
+    if plan is not None and plan.comm is c and plan.fits(q, k, v, key_padding_mask=key_padding_mask,
+                                                          options=options):
+        return plan
+    return plan_attention(q, k, v, c, key_padding_mask=key_padding_mask, **options)

@@ -223,7 +223,3 @@ class AttentionSpec:
                         o.max_logit)
         return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device, softmax_scale(o.scale, E), mask,
                    o.layout, o.layout if o.kv_layout is None else o.kv_layout, o)
-
-    def with_options(self, **keywords: Any) -> "AttentionSpec":
-        """The same call with some options changed (e.g. ``strategy=``)."""
-        return replace(self, options=Options.of(self.options, **keywords))

@@ -30,7 +30,7 @@ from ..comm.core import Comm, get_comm
 from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
-from ..strategies import plan_attention
+from ..strategies.plan import reuse_or_plan
 from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
 
 __all__ = ["attention", "plan_for", "matmul_nt", "matmul_nn", "matmul_tn"]
@@ -264,7 +264,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
 def plan_for(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Comm,
              key_padding_mask: Any = None, **options: Any) -> Any:
     """``plan`` when every rank's tensors (and ``options``) fit it, else a new
-    :class:`mpiattn.AttentionPlan` for them (collective; the same answer on every rank).
+    :class:`mpiattn.AttentionPlan` for them (collective; the same answer on every rank):
+    :func:`mpiattn.strategies.plan.reuse_or_plan` on the tensors' arrays.
 
     What a module that attends arrays of the same shapes call after call keeps between calls
     (:class:`mpiattn.torch.MultiheadAttention`); pass the result as ``planned=`` to
@@ -275,10 +276,7 @@ def plan_for(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Co
     mask = None if key_padding_mask is None else array(key_padding_mask)
     arrays = (array(q), array(k), array(v))
     with on_device(q.device):
-        if plan is not None and plan.comm is c and plan.fits(*arrays, key_padding_mask=mask,
-                                                              options=options):
-            return plan
-        return plan_attention(*arrays, c, key_padding_mask=mask, **options)
+        return reuse_or_plan(plan, *arrays, c, key_padding_mask=mask, **options)
 
 
 # ------------------------------------------------------------------ the products

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpiattn
-from mpiattn.kernels import native
+from mpiattn.kernels import engines, native
 
 from helpers import (dense_attention, host, registered_strategies, strategy_refusal,
                      strategy_runs_engines)
@@ -60,23 +60,38 @@ def run(xp, Q, K, V, dO, mask, layout, **kw):
     return g(out), g(lse, -1), g(dq), g(dk), g(dv)
 
 
-ENGINES = ["native", "torch"]
+def _numpy_engines():
+    """The registry's engines that run NumPy arrays here, and each other one's reason."""
+    runs, left_out = [], {}
+    for name, e in engines.ENGINES.items():
+        why = (None if "numpy" in e.capabilities.dtypes else f"the {name} engine takes no NumPy arrays")
+        why = why or e.usable("numpy")
+        if why is None:
+            runs.append(name)
+        else:
+            left_out[name] = why
+    return runs, left_out
+
+
+#: The engines of :data:`mpiattn.kernels.engines.ENGINES` these tests run (their arrays are NumPy's,
+#: or CuPy's under ``MPIATTN_TEST_BACKEND=cupy``), and the others, left out at collection (a
+#: skipped test costs pytest's whole protocol), each with its reason (e.g. ``fused``: CuPy only).
+ENGINES, LEFT_OUT_ENGINES = _numpy_engines()
 
 
 def engine_or_skip(engine, strategy, dtype=np.float64, xp=np):
     """Skip (with the reason) where the engine does not apply or cannot run here."""
-    if engine == "native":
+    if engine == engines.AUTO[0]:  # the reference engine: every call
         return
     if not strategy_runs_engines(strategy):
         pytest.skip(f"the {strategy} strategy runs the products, not an engine")
-    from mpiattn.kernels import engines
     from mpiattn.strategies import AttentionSpec, Options
     spec = AttentionSpec.from_shapes((1, 1, 8, 8), (1, 1, 8, 8), (1, 1, 8, 8), dtype,
                                      Options(causal=True), device=xp.__name__, padding=True)
-    torch_ = engines.get("torch")
-    why = torch_.supports(spec) or torch_.usable(xp.__name__)
+    e = engines.get(engine)
+    why = e.supports(spec) or e.usable(xp.__name__)
     if why is not None:
-        pytest.skip(f"torch engine: {why}")
+        pytest.skip(f"{engine} engine: {why}")
 
 
 def assert_close(got, want, tol, what):

@@ -337,11 +337,10 @@ def test_an_engine_runs_what_it_declares_and_refuses_the_rest(comm, engine):
 
 
 def test_every_left_out_case_has_its_reason(comm):
-    """Each case x engine x strategy either runs here or is left out with a reason, and every
+    """Each case x engine x strategy left out says why (a registry's ``supports`` or an engine's
+    ``usable`` that refuses with an empty text would leave it out unexplained), and every
     strategy this rank count can run, and each engine of the host (native, torch where it is
-    installed), runs some case."""
-    assert len(RUNS) + len(LEFT_OUT) == len(CASES) * len(ENGINES) * len(STRATEGIES)
-    assert not set(RUNS) & set(LEFT_OUT)
+    installed), runs some case (a ``supports`` that refuses too much would test nothing)."""
     assert all(isinstance(why, str) and why for why in LEFT_OUT.values())
     ran = {(engine, strategy) for _, engine, strategy in RUNS}
     for strategy in registry.variants(comm.size):
@@ -349,10 +348,3 @@ def test_every_left_out_case_has_its_reason(comm):
             assert any(s == strategy for _, s in ran), f"{strategy} runs no case at {comm.size} ranks"
     host_engines = {"native"} | ({"torch"} if engines.get("torch").usable("numpy") is None else set())
     assert {engine for engine, _ in ran} >= host_engines
-
-
-def test_the_suite_covers_every_registered_strategy_and_engine():
-    """Adding a strategy or an engine to its registry adds it here: nothing to edit."""
-    assert set(registry.STRATEGIES) - {"hybrid"} <= set(STRATEGIES)
-    assert {"ring", "allgather", "ulysses", "materialized", "double-ring", "hybrid:1x1", "hybrid:2x2", "hybrid:1x4",
-            "hybrid:4x1", "hybrid:3x1", "hybrid:2x2:ring-first"} <= set(STRATEGIES)

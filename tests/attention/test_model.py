@@ -34,6 +34,10 @@ def test_names_and_configurations():
         with pytest.raises(ValueError, match=match):
             registry.get(bad)
     assert "hybrid:2x2" in registry.variants(4) and "hybrid:3x1" not in registry.variants(4)
+    # what the tests run at 1-4 ranks (the contract suite takes its strategies from here)
+    assert {"ring", "allgather", "ulysses", "materialized", "double-ring", "hybrid:1x1", "hybrid:2x2",
+            "hybrid:1x4", "hybrid:4x1", "hybrid:3x1", "hybrid:2x2:ring-first"} <= {
+        name for P in range(1, 5) for name in registry.variants(P)}
 
 
 def test_hybrid_splits_and_what_they_support():

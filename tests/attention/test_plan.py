@@ -8,6 +8,7 @@ import mpiattn
 from mpiattn.comm import errors
 from mpiattn.strategies import registry
 
+from helpers import count_validations
 
 
 def _rows(comm, x, layout="contiguous"):
@@ -80,3 +81,22 @@ def test_a_plan_keeps_its_documents(comm):
     out, _ = plan.forward(q, k, v)
     ref, _ = mpiattn.attention(q, k, v, comm, segment_ids=s)
     np.testing.assert_array_equal(out, ref)
+
+
+def test_a_plan_is_validated_once_and_each_one_shot_call_once(comm, monkeypatch):
+    """Validation (local checks, agreement, the cost model) runs when a plan is made, never
+    when it is used again; a one-shot forward or backward validates once."""
+    validations = count_validations(monkeypatch)
+    Q, K, V = _problem(3)
+    q, k, v = (_rows(comm, x) for x in (Q, K, V))
+    plan = mpiattn.plan_attention(q, k, v, comm, causal=True)
+    assert len(validations) == 1
+    for step in range(3):
+        out, lse = plan.forward(q * (1 + step), k, v)
+        plan.backward(np.ones_like(out), q * (1 + step), k, v, out, lse)
+        assert plan.fits(q, k, v, options={"causal": True})
+    assert len(validations) == 1
+    out, lse = mpiattn.attention(q, k, v, comm, causal=True)
+    assert len(validations) == 2
+    mpiattn.attention_backward(np.ones_like(out), q, k, v, out, lse, comm, causal=True)
+    assert len(validations) == 3

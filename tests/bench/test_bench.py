@@ -19,7 +19,6 @@ from mpiattn.bench import app, ceilings, memory, workloads
 from mpiattn.bench.tasks import Settings, Task, attention_flops, tile_key, visible_pairs
 from mpiattn.bench.worker import run_in_job
 from mpiattn.layouts import local_length
-from mpiattn.strategies import registry
 from mpiattn.timing import Timer
 
 
@@ -91,9 +90,19 @@ def test_memory_guard_skips_without_running(comm, xp):
     recs = _run(comm, xp, [_task(comm.size)], max_memory=1)
     assert [r["status"] for r in recs] == ["skipped", "skipped"]
     assert all("--max-memory" in r["reason"] and "time_s" not in r for r in recs)
-    strategy = registry.get("ring")
-    spec = _task(comm.size).spec()
-    assert [r["est_bytes"] for r in recs] == [strategy.memory(spec, comm.size, 32, b) for b in (False, True)]
+
+
+@pytest.mark.parametrize("kw", [dict(impl="auto", block=None), dict(impl="ring", block=None),
+                                dict(impl="ulysses", H=12, Hkv=12)], ids=["auto", "ring", "ulysses"])
+def test_the_estimate_prices_the_strategy_and_block_that_run(comm, xp, kw):
+    """A record's ``est_bytes`` (and the ``--max-memory`` guard) price the strategy and block
+    rows :func:`mpiattn.bench.memory.plan_call` predicts without running anything; the library's
+    own choice when the task runs (auto's cost model, the engine's block) must be the same."""
+    t = _task(comm.size, **kw)
+    strategy, block = memory.plan_call(t, comm.size, comm.topology)
+    recs = _run(comm, xp, [t])
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    assert {(r["strategy_used"], r["block_size_used"]) for r in recs} == {(strategy.label, block)}
 
 
 def test_a_call_the_strategy_refuses_is_skipped(comm, xp):

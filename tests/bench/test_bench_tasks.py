@@ -9,7 +9,6 @@ from mpiattn.bench.launcher import largest_n, memory_curve
 from mpiattn.bench.memory import estimate_bytes
 from mpiattn.bench.tasks import WORKLOADS, Settings, Task, read_job, write_job
 from mpiattn.kernels import engines
-from mpiattn.kernels.reference import dense_nbytes
 from mpiattn.strategies import registry
 
 
@@ -80,16 +79,14 @@ def test_overrides_and_engines_side_by_side():
         n for n, e in engines.ENGINES.items() if "numpy" in e.capabilities.dtypes}
 
 
-def test_estimates_are_the_registrys():
-    t = Task(impl="ulysses", H=4, N=4096, E=32, block=256)
-    spec = t.spec()
-    assert estimate_bytes(t, 2, "fwdbwd") == registry.get("ulysses").memory(spec, 2, 256, True)
-    assert estimate_bytes(t.replace(impl="auto"), 1, "fwd") == registry.get("ring").memory(spec, 1, 256, False)
-    dense = t.replace(impl="dense", dtype="float16")
-    assert estimate_bytes(dense, 1, "fwd") == dense_nbytes((1, 4, 4096, 32), (1, 4, 4096, 32), (1, 4, 4096, 32),
-                                                           block_rows=None, itemsize=4)
+def test_the_dense_peer_is_priced_in_float32_and_a_refused_strategy_is_an_error():
+    """The dense peer computes float16 inputs in float32 (``spec.acc_dtype``): its estimate is
+    the float32 task's, not half of it. A strategy the registry refuses for the call is an
+    error with the registry's reason (the task is skipped with it)."""
+    dense = Task(impl="dense", H=4, N=4096, E=32, dtype="float32")
+    assert estimate_bytes(dense.replace(dtype="float16"), 1, "fwd") == estimate_bytes(dense, 1, "fwd")
     with pytest.raises(ValueError, match="strategy 'ulysses' needs the query heads H = 4"):
-        estimate_bytes(t, 3, "fwd")
+        estimate_bytes(Task(impl="ulysses", H=4, N=4096, E=32, block=256), 3, "fwd")
 
 
 def test_memory_curve_shrinks_until_the_cap_holds(monkeypatch):

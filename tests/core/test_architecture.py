@@ -17,6 +17,8 @@ The tests fail on
 (c) a module below ``io``/``cli``/``bench`` that touches files, or one below
     ``cli``/``bench`` that prints (``comm.errors``' last words before an abort
     excepted);
+(d) a module of more than :data:`MAX_LINES` lines (the number docs/architecture.md
+    names, checked to be the same);
 and check that no test module imports another, and, in a fresh interpreter,
 that ``import mpiattn`` and a NumPy ``attention`` call stay light (no benchmark
 or CLI code, no matplotlib, psutil, torch or CuPy, MPI not initialised by the
@@ -363,6 +365,29 @@ def test_a_cycle_and_an_upward_import_are_caught(tmp_path):
     assert up == ["toy.low:2 -> toy.high (function level)", "toy.sub.b:2 -> toy.sub.a (function level)"]
     _, problems = places(parse_layers("```layers\nlow\nsub: zz\n```\n", "toy"), modules, "toy")
     assert problems == ["layer list: sub.zz is no module"]
+
+
+# ------------------------------------------------------------------- sizes
+#: The most lines a module of the package may have (docs/architecture.md: "500 lines at most").
+MAX_LINES = 500
+
+
+def long_modules(modules: dict[str, str], limit: int = MAX_LINES) -> list[str]:
+    """``"name: N lines"`` for every module of more than ``limit`` lines, longest first."""
+    sizes = {}
+    for name, path in modules.items():
+        with open(path, encoding="utf-8") as fh:
+            sizes[name] = len(fh.read().splitlines())
+    return [f"{name}: {n} lines" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n > limit]
+
+
+def test_no_module_is_over_the_limit():
+    """Every module reads in one sitting: split one that grows past :data:`MAX_LINES` by idea."""
+    with open(DOC, encoding="utf-8") as fh:
+        said = re.search(r"(\d+) lines at most", fh.read())
+    assert said and int(said.group(1)) == MAX_LINES, "docs/architecture.md names another limit"
+    long = long_modules(module_files())
+    assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
 # ------------------------------------------------------- files and printing

@@ -16,7 +16,7 @@ import pytest
 import mpiattn
 from mpiattn import MultiheadAttention
 
-from helpers import host, install_fake_cupy
+from helpers import count_validations, host, install_fake_cupy
 
 
 # ----------------------------------------------------------------- reference
@@ -243,6 +243,22 @@ def test_param_grads_identical_on_all_ranks(comm, xp):
         for k in mine:
             assert np.array_equal(theirs[k], mine[k]), f"grad {k} differs between rank {r} and {comm.rank}"
             assert theirs[k].tobytes() == mine[k].tobytes()
+
+
+def test_a_call_of_the_last_shapes_is_not_validated_again(comm, monkeypatch):
+    """The layer keeps the plan of its last call while every rank's arrays fit it
+    (:func:`mpiattn.strategies.plan.reuse_or_plan`): forwards and backwards of the same shapes
+    validate once; other shapes make a new plan."""
+    validations = count_validations(monkeypatch)
+    layer = MultiheadAttention(8, 2, dtype=np.float64, seed=1)
+    x = mpiattn.shard(np.random.default_rng(3).standard_normal((2, 10, 8)), axis=1)
+    for step in range(3):
+        y = layer.forward(x * (1 + step), causal=True)
+        layer.backward(np.ones_like(y))
+    assert len(validations) == 1
+    longer = mpiattn.shard(np.random.default_rng(4).standard_normal((2, 12, 8)), axis=1)
+    layer.forward(longer, causal=True)
+    assert len(validations) == 2
 
 
 # --------------------------------------------------------- finite differences

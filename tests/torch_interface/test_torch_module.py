@@ -13,6 +13,8 @@ mt = pytest.importorskip("mpiattn.torch")
 
 import mpiattn  # noqa: E402
 
+from helpers import count_validations  # noqa: E402
+
 F64 = torch.float64
 
 
@@ -122,6 +124,22 @@ def test_same_output_as_the_numpy_layer(comm):
     np.testing.assert_allclose(y.detach().numpy(), y_np, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(a.k_proj_weight.grad.numpy(), b.grads["wk"].T, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(a.in_proj_bias.grad.numpy()[:8], b.grads["bq"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_call_of_the_last_shapes_is_not_validated_again(comm, monkeypatch):
+    """The module keeps the plan of its last call while every rank's tensors fit it
+    (:func:`mpiattn.torch.functions.plan_for`, i.e. :func:`mpiattn.strategies.plan.reuse_or_plan`):
+    forwards and backwards of the same shapes validate once; other shapes make a new plan."""
+    validations = count_validations(monkeypatch)
+    layer = mt.MultiheadAttention(8, 2, batch_first=True, seed=1, dtype=F64)
+    x = torch.from_numpy(mpiattn.shard(np.random.default_rng(3).standard_normal((2, 10, 8)), axis=1))
+    for step in range(3):
+        y, _ = layer(x * (1 + step), x, x, is_causal=True)
+        y.sum().backward()
+    assert len(validations) == 1
+    longer = mpiattn.shard(np.random.default_rng(4).standard_normal((2, 12, 8)), axis=1)
+    layer(torch.from_numpy(longer), is_causal=True)
+    assert len(validations) == 2
 
 
 def test_arguments_without_a_counterpart_are_refused(comm):

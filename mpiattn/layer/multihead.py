@@ -45,15 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from . import backend
-from .strategies import AttentionPlan, attention, attention_backward, plan_attention
-from .comm.core import get_comm
-from .io.checkpoint import load_params, save_params
+from .. import backend
+from ..comm.core import get_comm
+from ..strategies import AttentionPlan, attention, attention_backward
+from ..strategies.plan import reuse_or_plan
+from . import saving
+from .projections import linear, merge_heads, split_heads
 
 __all__ = ["MultiheadAttention"]
-
-_FORMAT = "mpiattn.MultiheadAttention"
-_FORMAT_VERSION = 1
 
 
 def _resolve_module(device: Any) -> ModuleType:
@@ -67,30 +66,6 @@ def _resolve_module(device: Any) -> ModuleType:
 
         return cupy
     raise ValueError(f"unknown device {device!r}; expected 'numpy'/'cpu', 'cupy'/'gpu', or the module")
-
-
-def _linear(x2: Any, w: Any, b: Any | None, acc: np.dtype) -> Any:
-    """``x2 @ w + b`` computed in the accumulation dtype ``acc``.
-
-    x2 (rows, d_in), w (d_in, d_out), b (d_out,) or None -> (rows, d_out) in ``acc``.
-    """
-    y = x2.astype(acc, copy=False) @ w.astype(acc, copy=False)
-    if b is not None:
-        y += b.astype(acc, copy=False)
-    return y
-
-
-def _split_heads(y2: Any, batch: int, rows: int, heads: int, dtype: np.dtype) -> Any:
-    """(batch*rows, heads*D) -> contiguous (batch, heads, rows, D) in ``dtype``."""
-    xp = backend.array_module(y2)
-    y4 = y2.reshape(batch, rows, heads, y2.shape[1] // heads).transpose(0, 2, 1, 3)
-    return xp.ascontiguousarray(y4, dtype=dtype)
-
-
-def _merge_heads(y4: Any) -> Any:
-    """(batch, heads, rows, D) -> (batch*rows, heads*D) (a copy)."""
-    b, h, rows, d = y4.shape
-    return y4.transpose(0, 2, 1, 3).reshape(b * rows, h * d)  # explicit sizes: rows may be 0
 
 
 class MultiheadAttention:
@@ -291,12 +266,12 @@ class MultiheadAttention:
             B, n, m = query.shape[0], query.shape[1], xk.shape[1]
             q2 = query.reshape(B * n, self.embed_dim)
             k2, v2 = xk.reshape(B * m, self.kdim), xv.reshape(B * m, self.vdim)
-            Q = _split_heads(_linear(q2, p["wq"], p.get("bq"), acc), B, n, self.num_heads, dt)
-            K = _split_heads(_linear(k2, p["wk"], p.get("bk"), acc), B, m, self.num_kv_heads, dt)
-            V = _split_heads(_linear(v2, p["wv"], p.get("bv"), acc), B, m, self.num_kv_heads, dt)
+            Q = split_heads(linear(q2, p["wq"], p.get("bq"), acc), B, n, self.num_heads, dt)
+            K = split_heads(linear(k2, p["wk"], p.get("bk"), acc), B, m, self.num_kv_heads, dt)
+            V = split_heads(linear(v2, p["wv"], p.get("bv"), acc), B, m, self.num_kv_heads, dt)
         out, lse = self._attend(c, Q, K, V, key_padding_mask, segment_ids, kv_segment_ids, options)
         with c.abort_on_error():
-            y2 = _linear(_merge_heads(out), p["wo"], p.get("bo"), acc)
+            y2 = linear(merge_heads(out), p["wo"], p.get("bo"), acc)
             y = y2.astype(dt, copy=False).reshape(B, n, self.embed_dim)
         plan = self._plan if segment_ids is None and kv_segment_ids is None else None
         self._cache = dict(q2=q2, k2=k2, v2=v2, Q=Q, K=K, V=V, out=out, lse=lse, opts=opts,
@@ -311,10 +286,7 @@ class MultiheadAttention:
         if segment_ids is not None or kv_segment_ids is not None:
             return attention(Q, K, V, c, key_padding_mask=mask, segment_ids=segment_ids,
                              kv_segment_ids=kv_segment_ids, **options)
-        plan = self._plan
-        if plan is None or plan.comm is not c or not plan.fits(Q, K, V, key_padding_mask=mask,
-                                                               options=options):
-            plan = self._plan = plan_attention(Q, K, V, c, key_padding_mask=mask, **options)
+        plan = self._plan = reuse_or_plan(self._plan, Q, K, V, c, key_padding_mask=mask, **options)
         return plan.run_forward(Q, K, V, mask, None)
 
     __call__ = forward
@@ -396,8 +368,8 @@ class MultiheadAttention:
             flat = xp.empty(self._grad_size(), dtype=acc)
             g = self._unpack(flat)
             dy2 = dy.reshape(B * n, E).astype(acc, copy=False)
-            xp.matmul(_merge_heads(cache["out"]).astype(acc, copy=False).T, dy2, out=g["wo"])
-            dO = _split_heads(dy2 @ p["wo"].astype(acc, copy=False).T, B, n, self.num_heads, dt)
+            xp.matmul(merge_heads(cache["out"]).astype(acc, copy=False).T, dy2, out=g["wo"])
+            dO = split_heads(dy2 @ p["wo"].astype(acc, copy=False).T, B, n, self.num_heads, dt)
         if cache["plan"] is not None:
             dQ, dK, dV = cache["plan"].run_backward(dO, cache["Q"], cache["K"], cache["V"],
                                                     cache["out"], cache["lse"],
@@ -406,9 +378,9 @@ class MultiheadAttention:
             dQ, dK, dV = attention_backward(dO, cache["Q"], cache["K"], cache["V"], cache["out"],
                                             cache["lse"], c, **cache["opts"])
         with c.abort_on_error():
-            dQ2 = _merge_heads(dQ).astype(acc, copy=False)
-            dK2 = _merge_heads(dK).astype(acc, copy=False)
-            dV2 = _merge_heads(dV).astype(acc, copy=False)
+            dQ2 = merge_heads(dQ).astype(acc, copy=False)
+            dK2 = merge_heads(dK).astype(acc, copy=False)
+            dV2 = merge_heads(dV).astype(acc, copy=False)
             for name, x2, d2 in (("q", cache["q2"], dQ2), ("k", cache["k2"], dK2), ("v", cache["v2"], dV2)):
                 xp.matmul(x2.astype(acc, copy=False).T, d2, out=g["w" + name])
             if self.bias:
@@ -442,11 +414,7 @@ class MultiheadAttention:
         ``kdim``, ``vdim``, ``bias``, ``dtype``, ``seed``; one dataset per
         parameter under group ``params``.
         """
-        attrs = dict(format=_FORMAT, format_version=_FORMAT_VERSION, embed_dim=self.embed_dim,
-                     num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, kdim=self.kdim,
-                     vdim=self.vdim, bias=self.bias, dtype=self.dtype.name, seed=self.seed)
-        params = {name: backend.to_host(value) for name, value in self.params.items()}
-        save_params(path, params, attrs, comm)
+        saving.save(self, path, comm)
 
     @classmethod
     def load(cls, path: str | os.PathLike, comm: Any = None) -> "MultiheadAttention":
@@ -460,31 +428,7 @@ class MultiheadAttention:
             On every rank, when the file is missing, is not a saved layer, or a
             parameter has the wrong shape or dtype.
         """
-        c = get_comm(comm)
-        attrs, params = load_params(path, _FORMAT, _FORMAT_VERSION, c)
-        layer = None
-        with c.collective_errors():
-            layer = cls._from_checkpoint(os.fspath(path), attrs, params)
-        return layer
-
-    @classmethod
-    def _from_checkpoint(cls, path: str, a: dict, params: dict) -> "MultiheadAttention":
-        try:
-            layer = cls(int(a["embed_dim"]), int(a["num_heads"]), num_kv_heads=int(a["num_kv_heads"]),
-                        kdim=int(a["kdim"]), vdim=int(a["vdim"]), bias=bool(a["bias"]),
-                        dtype=np.dtype(str(a["dtype"])), seed=int(a["seed"]))
-        except KeyError as exc:
-            raise ValueError(f"{path!r} lacks {exc} of a saved MultiheadAttention") from exc
-        want = layer.param_shapes()
-        if set(params) != set(want):
-            raise ValueError(f"{path!r}: parameters {sorted(params)} do not match the expected {sorted(want)}")
-        for name, shape in want.items():
-            x = params[name]
-            if tuple(x.shape) != shape or np.dtype(x.dtype) != layer.dtype:
-                raise ValueError(f"{path!r}: parameter {name!r} has shape {tuple(x.shape)} and dtype "
-                                 f"{x.dtype}; expected {shape} and {layer.dtype}")
-            layer.params[name] = x
-        return layer
+        return saving.load(cls, path, comm)
 
 
 def _positive_int(value: Any, what: str) -> int:
