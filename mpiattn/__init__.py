@@ -36,6 +36,7 @@ _EXPORTS = {
     "MultiheadAttention": "layer",
     "get_comm": "comm",
     "KVCache": "inference",
+    "ScoreMod": "masks.scoremod",
 }
 
 __all__ = ["__version__", *_EXPORTS]

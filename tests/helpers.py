@@ -291,10 +291,14 @@ def reference(q, k, v, dout=None, *, causal=False, window=None, scale=None,
     return Reference(tuple(res) + (None,) * (5 - len(res)))
 
 
-def torch_reference(Q, K, V, dO, vis, *, scale=None, softcap=None, bias=None, sinks=None):
+def torch_reference(Q, K, V, dO, vis, *, scale=None, softcap=None, bias=None, sinks=None,
+                    score_mod=None):
     """float64 ``out, lse, dq, dk, dv, dsinks, max_logit`` by torch autograd.
 
-    ``vis`` bool broadcastable to (B, H, N, M) (True = visible); ``bias`` float (B|1, H|1, N, M).
+    ``vis`` bool broadcastable to (B, H, N, M) (True = visible); ``bias`` float (B|1, H|1, N, M);
+    ``score_mod(x, b, h, i, j)``: torch ops on the whole ``(B, H, N, M)`` raw scores and index
+    tensors (b ``(B,1,1,1)``, h ``(1,H,1,1)``, i ``(1,1,N,1)``, j ``(1,1,1,M)``), its gradient
+    (and that of any tensor it captures) by autograd.
     """
     import torch
 
@@ -305,6 +309,11 @@ def torch_reference(Q, K, V, dO, vis, *, scale=None, softcap=None, bias=None, si
     s = 1 / np.sqrt(E) if scale is None else scale
     x = s * q @ k.repeat_interleave(G, 1).transpose(-1, -2)
     y = softcap * torch.tanh(x / softcap) if softcap is not None else x
+    if score_mod is not None:
+        M = K.shape[2]
+        idx = [torch.arange(n).reshape([-1 if a == axis else 1 for a in range(4)])
+               for axis, n in enumerate((B, H, N, M))]
+        y = score_mod(y, *idx)
     vis = np.broadcast_to(vis, y.shape)
     if bias is not None:  # a -inf in the bias hides its pair
         vis = vis & np.isfinite(bias)

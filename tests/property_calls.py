@@ -45,6 +45,43 @@ MASK_MODS = {
 NAMED_RULES = ("chunked", "prefix_lm", "streaming")
 
 
+def _score_mods():
+    """``score_mod``s by name: ``(mpiattn.ScoreMod on NumPy, the same in torch ops)`` (built on
+    first use: torch imported then)."""
+    import torch
+
+    from mpiattn import ScoreMod
+
+    temp = 0.5 + 0.2 * np.arange(9)
+    tab = np.sin(np.arange(9 * 128, dtype=np.float64)).reshape(9, 128)  # a relative-position bias
+    t_temp, t_tab = torch.tensor(temp), torch.tensor(tab)
+    return {
+        "temperature": (ScoreMod(lambda s, b, h, q, kv: s * temp[h], lambda s, b, h, q, kv: temp[h] + 0 * s),
+                        lambda s, b, h, q, kv: s * t_temp[h]),
+        "relative-bias": (ScoreMod(lambda s, b, h, q, kv: s + tab[h, (q - kv) % 128],
+                                   lambda s, b, h, q, kv: np.ones_like(s)),
+                          lambda s, b, h, q, kv: s + t_tab[h, (q - kv) % 128]),
+        "cap": (ScoreMod(lambda s, b, h, q, kv: 3 * np.tanh(s / 3), lambda s, b, h, q, kv: 1 - np.tanh(s / 3) ** 2),
+                lambda s, b, h, q, kv: 3 * torch.tanh(s / 3)),
+        "batch-square": (ScoreMod(lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s,
+                                  lambda s, b, h, q, kv: (1 + b) - 0.1 * s),
+                         lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s),
+    }
+
+
+SCORE_MODS = ("temperature", "relative-bias", "cap", "batch-square")
+_SCORE_MOD_OBJECTS: dict = {}
+
+
+def score_mod(call):
+    """The call's ``(ScoreMod, torch form)``, or None (the same objects for every call)."""
+    if call.score_mod is None:
+        return None
+    if not _SCORE_MOD_OBJECTS:
+        _SCORE_MOD_OBJECTS.update(_score_mods())
+    return _SCORE_MOD_OBJECTS[call.score_mod]
+
+
 @dataclass(frozen=True)
 class Call:
     """One drawn call (global sizes; ``layout``/``kv_layout``: a name or explicit ranges per rank)."""
@@ -71,6 +108,7 @@ class Call:
     alibi: str | None = None            # None, "H" or "BH": the slopes' shape
     attn_mask: tuple | None = None      # (kind, batch axis, head axis, what it hides)
     mask_mod: str | None = None         # a key of MASK_MODS or "rule:PARAMS"
+    score_mod: str | None = None        # a name of SCORE_MODS (not with a softcap)
     sinks: bool = False
     max_logit: bool = False
     api: str = "call"                   # the one-shot calls, or a plan made once
@@ -161,12 +199,16 @@ def _draw(draw, topology):
             mod = f"prefix_lm:{draw(st.integers(0, 12))}"
         elif mod == "streaming":
             mod = f"streaming:{draw(st.integers(0, 4))},{draw(st.integers(0, 8))}"
+    softcap = None if every_engine else draw(st.one_of(st.none(), st.sampled_from([0.5, 2.0, 20.0])))
+    smod = None
+    if softcap is None and not every_engine and draw(st.integers(0, 2)) == 0:
+        smod = draw(st.sampled_from(SCORE_MODS))
     call = Call(
         P=P, seed=draw(st.integers(0, 2**31 - 1)), dtype=dtype, B=B, H=H, Hkv=Hkv, N=N, M=M, E=E,
         Ev=Ev, scale=draw(st.one_of(st.none(), st.sampled_from([0.3, 1.0, 2.0]))), causal=causal,
         window=window, docs=docs, pad=pad, layout=layout, kv_layout=kv_layout,
         block=draw(st.one_of(st.none(), st.integers(1, 16))),
-        softcap=None if every_engine else draw(st.one_of(st.none(), st.sampled_from([0.5, 2.0, 20.0]))),
+        softcap=softcap, score_mod=smod,
         alibi=draw(st.sampled_from([None, "H", "BH"])), attn_mask=mask, mask_mod=mod,
         sinks=draw(st.booleans()), max_logit=not every_engine and draw(st.booleans()),
         api=draw(st.sampled_from(["call", "plan"])))
@@ -187,7 +229,7 @@ def _spec(call, strategy="auto", engine="auto"):
         (call.B, call.Hkv, call.M, call.Ev), dtype_of(call.dtype),
         opts, padding=call.pad, segments=call.docs, kv_segments=call.docs and _kv_ids(call),
         alibi=call.alibi is not None, attn_mask=None if call.attn_mask is None else call.attn_mask[0],
-        mask_mod=call.mask_mod is not None, sinks=call.sinks)
+        mask_mod=call.mask_mod is not None, sinks=call.sinks, score_mod=call.score_mod is not None)
 
 
 def _supported_strategies(call, topology):
@@ -309,12 +351,15 @@ def reference(call, a):
         bias = alibi if bias is None else bias + alibi
     vis = np.broadcast_to(vis, (B, H, N, M))
     sinks = a.get("sinks")
+    smod = score_mod(call)
     ref = torch_reference(a["Q"], a["K"], a["V"], a["dO"], vis, scale=call.scale,
-                          softcap=call.softcap, bias=bias, sinks=sinks)
+                          softcap=call.softcap, bias=bias, sinks=sinks,
+                          score_mod=None if smod is None else smod[1])
     dt = dtype_of(call.dtype)
-    base = baseline(a["Q"], a["K"], a["V"], a["dO"], vis, dt, call.softcap, sinks, bias, call.scale)
+    base = baseline(a["Q"], a["K"], a["V"], a["dO"], vis, dt, call.softcap, sinks, bias, call.scale,
+                    None if smod is None else smod[1])
     extra = allowances(a["Q"], a["K"], a["V"], a["dO"], vis, ref[1], call.softcap, sinks, bias,
-                       call.scale)
+                       call.scale, None if smod is None else smod[0])
     return ref, base, extra
 
 
@@ -350,6 +395,8 @@ def _run(call, comm, a):
         scores["sinks"] = a["sinks"]
     if call.mask_mod is not None:
         scores["mask_mod"] = mask_mod(call)
+    if call.score_mod is not None:
+        scores["score_mod"] = score_mod(call)[0]
     used: dict = {}
     if call.api == "plan":
         plan = mpiattn.plan_attention(q, k, v, comm, **scores, **kw)

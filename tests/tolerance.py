@@ -30,14 +30,16 @@ def eps_of(dt):
     return float(np.finfo(dt).eps)
 
 
-def baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None, bias=None, scale=None):
+def baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None, bias=None, scale=None,
+             score_mod=None):
     """Plain attention in the inputs' dtype (torch autograd, else NumPy): the error to beat; with
-    a ``softcap``, ``sinks`` or an additive ``bias`` (float64 ``(B|1, H|1, N, M)``, -inf hides;
-    torch only) too, and then also ``dsinks``."""
+    a ``softcap``, ``sinks``, an additive ``bias`` (float64 ``(B|1, H|1, N, M)``, -inf hides) or a
+    ``score_mod`` (torch ops on the whole scores, as ``helpers.torch_reference`` takes it; its
+    result kept in the dtype) too (torch only), and then also ``dsinks``."""
     try:
         import torch
     except ImportError:
-        if softcap is not None or sinks is not None or bias is not None:
+        if softcap is not None or sinks is not None or bias is not None or score_mod is not None:
             raise
         return numpy_baseline(Q, K, V, dO, vis, dt)
     G = Q.shape[1] // K.shape[1]
@@ -50,6 +52,10 @@ def baseline(Q, K, V, dO, vis, dt, softcap=None, sinks=None, bias=None, scale=No
     S = (t[0] @ Kr.transpose(-1, -2)) * s
     if softcap is not None:
         S = softcap * torch.tanh(S / softcap)
+    if score_mod is not None:
+        idx = [torch.arange(n).reshape([-1 if a == axis else 1 for a in range(4)])
+               for axis, n in enumerate(S.shape)]
+        S = score_mod(S, *idx).to(S.dtype)
     vis = np.broadcast_to(vis, S.shape)
     if bias is not None:  # added in the inputs' dtype, as a same-dtype model would
         vis = vis & np.isfinite(bias)
@@ -110,7 +116,8 @@ def numpy_baseline(Q, K, V, dO, vis, dt):
     return out, lse, dq, dk, dv
 
 
-def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale=None):
+def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale=None,
+               score_mod=None):
     """What one rounding step moves, beyond the outputs' own (float64, per unit epsilon).
 
     In steps of the accumulation dtype:
@@ -135,22 +142,31 @@ def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale
     ``sum |dO * out|``, moves ``dq`` (``s D_err P |K|``), ``dk`` (``s P^T D_err |Q|``) and
     ``dsinks`` (``sum exp(sink - lse) D_err``; a softcap's ``1 - tanh^2 <= 1`` moves less)
     (the search: float16 ``dq`` of one query and key with a sink, 2.5 steps off).
+
+    A ``score_mod`` (a ``mpiattn.ScoreMod``, its function and derivative on NumPy arrays) forms
+    ``y = f(x)``: a score's rounding step is ``|f'| s |q| |k| + |y|``, and ``dS``'s error passes
+    through ``f'``: the gradients' terms are multiplied by ``max |f'|``.
     """
     B, H, N, E = Q.shape
     G = H // K.shape[1]
     s = 1 / np.sqrt(E) if scale is None else scale
     Kr, Vr = (np.repeat(x.astype(np.float64), G, axis=1) for x in (K, V))
     Q, dO = Q.astype(np.float64), dO.astype(np.float64)
-    added = 0.0
+    added, slope = 0.0, 1.0
     with np.errstate(invalid="ignore", over="ignore"):
         S = s * Q @ Kr.swapaxes(-1, -2)
         if softcap is not None:
             S = softcap * np.tanh(S / softcap)
+        if score_mod is not None:
+            idx = np.ix_(*(np.arange(n) for n in S.shape))
+            slope = float(np.abs(np.where(vis, score_mod.grad(S, *idx), 0.0)).max(initial=0.0))
+            S = np.broadcast_to(score_mod.fn(S, *idx), S.shape)
+            added = float(np.abs(np.where(vis, S, 0.0)).max(initial=0.0))
         if bias is not None:
             finite = np.isfinite(bias)
             vis = vis & finite
             S = S + np.where(finite, bias, 0.0)
-            added = float(np.abs(np.where(finite, bias, 0.0)).max(initial=0.0))
+            added += float(np.abs(np.where(finite, bias, 0.0)).max(initial=0.0))
         P = np.where(vis, np.exp(S - np.where(np.isfinite(lse), lse, 0)[..., None]), 0.0)
     d_row = np.abs(dO * (P @ Vr)).sum(-1, keepdims=True)
     fold = lambda x: x.reshape(B, K.shape[1], G, *x.shape[2:]).sum(2)  # noqa: E731
@@ -158,10 +174,10 @@ def allowances(Q, K, V, dO, vis, lse, softcap=None, sinks=None, bias=None, scale
     qn, kn = np.sqrt((Q ** 2).sum(-1)).max(initial=0), np.sqrt((Kr ** 2).sum(-1)).max(initial=0)
     # (and lse = m + log(l) rounds twice at its own magnitude: P's and exp(sink - lse)'s share)
     lse_mag = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
-    step = 1.0 + s * qn * kn + added + 2 * lse_mag
+    step = 1.0 + max(slope, 1.0) * s * qn * kn + added + 2 * lse_mag
     # dS = P (dP - D): its rounding is relative to |dP| + |D| (which may cancel), not to dS
-    g = P * (np.abs(dO) @ np.abs(Vr).swapaxes(-1, -2) + d_row)
-    pd = P * d_row
+    g = P * (np.abs(dO) @ np.abs(Vr).swapaxes(-1, -2) + d_row) * max(slope, 1.0)
+    pd = P * d_row * max(slope, 1.0)
     out = {"lse": step, "out": step * top(P @ np.abs(Vr)),
            "dq": step * s * top(g @ np.abs(Kr)), "D:dq": s * top(pd @ np.abs(Kr)),
            "dk": step * s * top(fold(g.swapaxes(-1, -2) @ np.abs(Q))),
@@ -201,7 +217,11 @@ def check(dtype, got, ref, base, extra, *, N, M, H, Hkv, block=None, hops=0, sin
     # included: m + log(l), the search's 3 keys 2 steps off an exact baseline); one more for each
     # merge of partial rows (key blocks, ranks: m + log(l) rounded again; the search: 3 ranks'
     # 34 keys, 4 steps off)
-    lse_step += (hops + partials["dq"]) * eps_acc * float(np.abs(r_lse[fin]).max(initial=0.0))
+    merged = (hops + partials["dq"]) * float(np.abs(r_lse[fin]).max(initial=0.0))
+    lse_step += eps_acc * merged
+    # what inherits lse's error (P = exp(y - lse), exp(sink - lse)) inherits the merges' too (the
+    # search: dsinks of one query over 35 key blocks of one row)
+    grow = 1.0 + merged / extra["lse"]
     assert lse_err <= factor * lse_base + lse_step, \
         f"lse: error {lse_err:.3g} > {factor:g} x baseline {lse_base:.3g} + rounding {lse_step:.3g}"
     named = [("out", out, r_out, b_out), ("dq", dq, r_dq, b_dq), ("dk", dk, r_dk, b_dk),
@@ -214,7 +234,7 @@ def check(dtype, got, ref, base, extra, *, N, M, H, Hkv, block=None, hops=0, sin
         err = float(np.abs(x - r).max(initial=0.0))
         base_err = float(np.abs(b - r).max(initial=0.0))
         step = eps * float(np.abs(r).max(initial=0.0))
-        d_step = eps_acc * extra.get(name, 0.0) + eps * extra.get(f"D:{name}", 0.0)
+        d_step = eps_acc * grow * extra.get(name, 0.0) + eps * extra.get(f"D:{name}", 0.0)
         if name in ("dk", "dv", "dsinks"):
             d_step += hops * eps_acc * float(np.abs(r).max(initial=0.0))
         d_step += partials[name] * eps_acc * float(np.abs(r).max(initial=0.0))

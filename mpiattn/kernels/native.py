@@ -208,7 +208,7 @@ def _formed(xp: Any, st: Any, S: Any, mask: BlockMask, tile: tuple, r0: int, r1:
         top = (S if hidden is None else S + hidden).max(axis=-1)
         xp.maximum(st.xmax[..., r0:r1], top, out=st.xmax[..., r0:r1])
     if mask.transform is not None:
-        mask.transform.forward_(S)
+        mask.transform.forward_(S, mask.at(*tile, group, xp))
     if bias is not None:
         S += bias
 

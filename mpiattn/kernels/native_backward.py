@@ -91,8 +91,9 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
             if f is None:
                 P = xp.matmul(qa[..., r0:r1, :], kt, out=ws.get("P", rows + (kk,), dt))  # S - lse
             else:  # P = exp(f(x) + bias - lse); T keeps what f's chain rule needs
+                at = mask.at(i0, i1, j0, j1, group, xp)
                 T = xp.matmul(qa[..., r0:r1, :E], kt[..., :E, :], out=ws.get("T", rows + (kk,), dt))
-                P = f.saving_(T, out=ws.get("P", rows + (kk,), dt))
+                P = f.saving_(T, ws.get("P", rows + (kk,), dt), at)
                 P += qa[..., r0:r1, E, None]
             if bias is not None:
                 P += bias
@@ -101,7 +102,7 @@ def backward_block(bi: BackwardInputs, group: int, k: Any, v: Any, mask: BlockMa
             dS = xp.matmul(doa[..., r0:r1, :], vt, out=ws.get("dS", rows + (kk,), dt))  # dP - D
             dS *= P
             if f is not None:  # dS *= dy/dx
-                f.chain_(dS, T)
+                f.chain_(dS, T, at)
             dq[..., r0:r1, :] += xp.matmul(dS, kc, out=ws.get("dq", rows + (E,), dt))
             dk_c += _rows_product(xp, ws, "dk", dS, qa[..., r0:r1, :E], group)
 

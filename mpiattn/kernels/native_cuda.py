@@ -190,19 +190,21 @@ def _formed(xmax: Any, S: Any, mask: BlockMask, i0: int, i1: int, j0: int, j1: i
             vis: str, pad: Any, host: Any, keep: bool = False) -> Any:
     """``S = x`` -> the scores (in place, generic array code): the running ``max_logit`` (into
     ``xmax``, the forward's, None in the backward), the transform (softcap), then the padding and
-    the host bias. Returns, with ``keep`` (the backward), what the transform's chain rule needs, else None."""
+    the host bias. Returns ``(S, (t, at))``: with ``keep`` (the backward) ``t`` what the
+    transform's chain rule needs (else None), ``at`` the tile's indices (None without one)."""
     xp = backend.array_module(S)
     if xmax is not None:
         hidden = mask.hidden(xp, i0, i1, j0, j1, S.dtype, group, vis)
         top = (S if hidden is None else S + hidden).max(axis=-1)
         xp.maximum(xmax[..., i0 * group:i1 * group], top, out=xmax[..., i0 * group:i1 * group])
     t, f = None, mask.transform
+    at = None if f is None else mask.at(i0, i1, j0, j1, group, xp)
     if f is not None and keep:  # the backward: S <- f(x), t keeps f's chain rule
         t = S.copy()
-        f.saving_(t, out=S)
+        f.saving_(t, S, at)
     elif f is not None:
-        f.forward_(S)
-    return _apply_generic(S, pad, None, host, S.shape[1]), t
+        f.forward_(S, at)
+    return _apply_generic(S, pad, None, host, S.shape[1]), (t, at)
 
 
 def forward_block(st: DeviceForward, group: int, k: Any, v: Any, mask: BlockMask, tile: int) -> None:
@@ -301,10 +303,10 @@ def backward_block(bs: DeviceBackward, group: int, k: Any, v: Any, mask: BlockMa
             dS = dP if op == acc else _tile_buf(bs.ws, "dS", (B, hkv), R, kk, op)
             lse, D = bs.lse[..., r0:r1], bs.D[..., r0:r1]
             if mask.mods is not None:  # scores formed by the generic array code
-                _, t = _formed(None, S, mask, i0, i1, j0, j1, group, vis, pad, host, keep=True)
+                _, (t, at) = _formed(None, S, mask, i0, i1, j0, j1, group, vis, pad, host, keep=True)
                 fused.generic.softmax_bwd_(_rows(S), _rows(dP), _rows(P), _rows(dS), _rows(lse), _rows(D))
                 if t is not None:  # dS *= dy/dx
-                    mask.transform.chain_(dS, t)
+                    mask.transform.chain_(dS, t, at)
             elif bs.fused:
                 if host is not None:
                     S += host

@@ -77,7 +77,7 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
                     segment_ids: Any = None, kv_segment_ids: Any = None, dtype: Any = np.float64,
                     block_rows: int | None = 256, softcap: float | None = None,
                     alibi_slopes: Any = None, attn_mask: Any = None, mask_mod: Any = None,
-                    sinks: Any = None) -> Exact:
+                    sinks: Any = None, score_mod: Any = None) -> Exact:
     """Exact attention (and, with ``dout``, its gradients) on global arrays, one process.
 
     Parameters
@@ -105,6 +105,9 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
         rows at once.
     softcap, alibi_slopes, mask_mod, sinks : optional
         As in :func:`mpiattn.attention`.
+    score_mod : ScoreMod, optional
+        As in :func:`mpiattn.attention`: its ``fn`` and ``grad`` on the dense scores (every key of
+        a block of rows at once).
     attn_mask : array, shape (B or 1, H or 1, N, M), optional
         The whole mask (every query row), bool or float.
 
@@ -167,6 +170,10 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
         top = np.maximum(top, backend.to_host(xp.where(hidden, -np.inf, X).max(axis=(0, 2, 3))))
         T = None if softcap is None else xp.tanh(X / softcap)
         S = X if T is None else softcap * T
+        idx = None
+        if score_mod is not None:  # its function and derivative on the whole rows, written out here
+            idx = [backend.to_device(a, xp) for a in np.ix_(np.arange(B), np.arange(H), rows, np.arange(M))]
+            S = score_mod.fn(X, *idx)
         if add is not None:
             S = S + backend.to_device(add.astype(dtype), xp)
         S = xp.where(hidden, -np.inf, S)
@@ -189,6 +196,8 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
             dS = P * (dP - D)
             if T is not None:
                 dS *= 1 - T * T
+            if idx is not None:
+                dS *= score_mod.grad(X, *idx)
             dq[:, :, i0:i1] = s * xp.matmul(dS, kk)
             dkk += s * xp.matmul(dS.swapaxes(-1, -2), q[:, :, i0:i1])
             if dsinks is not None:

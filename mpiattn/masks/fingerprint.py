@@ -15,6 +15,11 @@ call is exact only when they are one rule. The ranks compare
   round the diagonal where windows and chunks change), which catches a rule
   that reads a global variable set differently per rank.
 
+A ``score_mod`` (a transform of the scores) is compared the same way: by
+:func:`identity` before the call, and by :func:`score_answers` once the lengths
+are agreed, its answers on a fixed sample of scores and pairs, equal to a
+relative ``1e-6`` (:func:`same_answers`).
+
 Neither can prove two functions equal; both are cheap (host NumPy, about 10^5
 evaluated pairs at most) and catch the mistakes seen in practice.
 """
@@ -29,12 +34,14 @@ import numpy as np
 from .maskmod import MaskMod
 from .modifiers import ask
 
-__all__ = ["identity", "answers", "SAMPLE_ROWS", "SAMPLE_BAND"]
+__all__ = ["identity", "answers", "score_answers", "same_answers", "SAMPLE_ROWS", "SAMPLE_BAND"]
 
 #: Query (and key) positions sampled evenly over the sequence by :func:`answers`.
 SAMPLE_ROWS = 48
 #: Keys either side of each sampled query's diagonal that :func:`answers` also asks.
 SAMPLE_BAND = 24
+#: How deep :func:`identity` follows captured values (tuples in tuples, functions they hold).
+DEPTH = 6
 
 
 def _crc(data: bytes, crc: int = 0) -> int:
@@ -47,7 +54,7 @@ def _value_crc(x: Any, crc: int, depth: int = 0) -> int:
         return _crc(repr((type(x).__name__, x)).encode(), crc)
     if isinstance(x, MaskMod):
         return _crc(x.key.encode(), crc)
-    if isinstance(x, (tuple, list)) and depth < 3 and len(x) <= 1024:
+    if isinstance(x, (tuple, list)) and depth < DEPTH and len(x) <= 1024:
         crc = _crc(f"{type(x).__name__}{len(x)}".encode(), crc)
         for item in x:
             crc = _value_crc(item, crc, depth + 1)
@@ -59,7 +66,7 @@ def _value_crc(x: Any, crc: int, depth: int = 0) -> int:
         t = x.detach().cpu().contiguous()
         return _crc(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes(),
                     _crc(f"{t.dtype}{tuple(t.shape)}".encode(), crc))
-    if callable(x) and depth < 3:
+    if callable(x) and depth < DEPTH:
         return _crc(repr(identity(x, depth + 1)).encode(), crc)
     return _crc(f"{type(x).__module__}.{type(x).__qualname__}".encode(), crc)
 
@@ -67,7 +74,7 @@ def _value_crc(x: Any, crc: int, depth: int = 0) -> int:
 def _code_crc(code: Any, crc: int, depth: int) -> int:
     crc = _crc(code.co_code, crc)
     for c in code.co_consts:
-        crc = _code_crc(c, crc, depth + 1) if hasattr(c, "co_code") and depth < 3 else _value_crc(c, crc, 3)
+        crc = _code_crc(c, crc, depth + 1) if hasattr(c, "co_code") and depth < DEPTH else _value_crc(c, crc, DEPTH)
     return _crc(repr(code.co_names).encode(), crc)
 
 
@@ -121,3 +128,30 @@ def answers(fn: Callable, B: int, H: int, N: int, M: int, diagonal: int = 0) -> 
         k = np.unique(np.clip(i + diagonal + band, 0, M - 1))
         crc = _crc(np.packbits(ask(fn, b, h, [i], k)).tobytes(), crc)
     return crc
+
+
+def score_answers(transform: Any, B: int, H: int, N: int, M: int, diagonal: int = 0) -> np.ndarray:
+    """A score transform's (``score_mod``'s) answers, float64, on a fixed sample: raw scores
+    spread over ``[-4, 4]`` at the pairs of :func:`answers`' spread grid, every batch entry and
+    query head up to 8 each (compared with a tolerance, :func:`same_answers`: a transcendental
+    function may round differently on another kind of CPU)."""
+    from .scoremod import TileIndex
+
+    q, k = _sample(N, SAMPLE_ROWS // 2), _sample(M, SAMPLE_ROWS // 2)
+    if q.size == 0 or k.size == 0:
+        return np.zeros(0)
+    b, h = np.arange(min(max(B, 1), 8)), np.arange(min(max(H, 1), 8))
+    shape = (b.size, h.size, q.size, k.size)
+    S = np.linspace(-4.0, 4.0, int(np.prod(shape))).reshape(shape)
+    at = TileIndex(lambda: (b.reshape(-1, 1, 1, 1), h.reshape(1, -1, 1, 1), q.reshape(1, 1, -1, 1),
+                            k.reshape(1, 1, 1, -1)))
+    return np.asarray(transform.forward_(S, at), dtype=np.float64).ravel()
+
+
+def same_answers(a: np.ndarray, b: np.ndarray, rtol: float = 1e-6) -> bool:
+    """Whether two ranks' :func:`score_answers` agree (NaN where the other has NaN too)."""
+    if a.shape != b.shape:
+        return False
+    fin = np.isfinite(a) & np.isfinite(b)
+    same_nonfinite = np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(a[~fin], b[~fin])
+    return bool(same_nonfinite and np.all(np.abs(a[fin] - b[fin]) <= rtol * (1 + np.abs(b[fin]))))

@@ -5,6 +5,7 @@ With ``x = s q_i . k_j`` (``s`` the scale), global positions ``i``, ``j``,
 ``b`` and global query head ``h``, a call's score is::
 
     y = c tanh(x / c)                  softcap c           (:mod:`mpiattn.masks.softcap`)
+    y = score_mod(x, b, h, i, j)       a user's transform  (:mod:`mpiattn.masks.scoremod`)
     y += -slope[b, h] |i + d - j|      ALiBi               (no gradient to the slopes)
     y += mask[b, h, i, j]              a float attn_mask
     hidden where not mask[b, h, i, j]  a bool attn_mask    (True = the pair takes part)
@@ -34,7 +35,7 @@ __all__ = ["MODIFIERS", "ENGINE_MODIFIERS", "Modifiers", "check_slopes", "check_
            "mask_kind", "check_mask_mod", "ask", "fold_tile"]
 
 #: The score modifiers, in the order :attr:`mpiattn.masks.MaskSpec.modifiers` lists the active ones.
-MODIFIERS = ("softcap", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
+MODIFIERS = ("softcap", "score_mod", "alibi", "attn_mask", "mask_mod", "sinks", "max_logit")
 
 #: The modifiers an engine applies (and declares, :class:`mpiattn.kernels.engine.Capabilities`);
 #: the sinks are added to each row once its blocks are merged, whatever the engine.
@@ -152,8 +153,11 @@ class Modifiers:
         head-sharded strategy's moved rows (:meth:`moved`).
     mask_mod : callable or None
         ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on broadcasting int64 arrays of
-        global indices (True = visible); the same function on every rank (the caller's
-        duty: its name is compared, not its code).
+        global indices (True = visible); the same function on every rank (compared by
+        :mod:`mpiattn.masks.fingerprint`).
+    score_mod : score transform or None
+        A user's ``score_mod`` (:class:`mpiattn.masks.scoremod.ScoreMod`, or mpiattn.torch's),
+        the call's transform in place of a softcap (one or the other).
     B, H : int
         The batch size and the query heads (``mask_mod``'s ``b`` and ``h`` range over them).
     mask_head0 : int
@@ -164,14 +168,18 @@ class Modifiers:
     alibi: np.ndarray | None = None
     attn_mask: np.ndarray | None = None
     mask_mod: Callable | None = None
+    score_mod: Any = None
     B: int = 1
     H: int = 1
     mask_head0: int = 0
 
     @property
-    def transform(self) -> Softcap | None:
-        """The elementwise score transform ``y = f(x)`` the kernels apply before the bias
-        (:class:`mpiattn.masks.softcap.Softcap`), or None."""
+    def transform(self) -> Any:
+        """The elementwise score transform ``y = f(x, b, h, i, j)`` the kernels apply before the
+        bias (:mod:`mpiattn.masks.scoremod`: the ``score_mod``, or
+        :class:`mpiattn.masks.softcap.Softcap`), or None."""
+        if self.score_mod is not None:
+            return self.score_mod
         return None if self.softcap is None else Softcap(self.softcap)
 
     def moved(self, attn_mask: np.ndarray, head0: int) -> "Modifiers":
@@ -181,6 +189,9 @@ class Modifiers:
         return replace(self, attn_mask=attn_mask, mask_head0=int(head0) if attn_mask.shape[1] > 1 else 0)
 
     def __post_init__(self) -> None:
+        if self.softcap is not None and self.score_mod is not None:
+            raise ValueError("softcap and score_mod are both score transforms: give one (a "
+                             "score_mod may cap its own result: c * tanh(f(x) / c))")
         m = self.attn_mask
         object.__setattr__(self, "_mask_hides", m is not None and (
             m.dtype == np.bool_ or bool(np.isneginf(m).any())))

@@ -11,7 +11,9 @@ A score transform is an elementwise ``y = f(x)`` applied before the bias
 of a score whose backward needs more than ``P``: the chain rule's factor
 ``f'(x)`` multiplies ``dS``. The kernels (native, CuPy, materialized) ask
 :attr:`mpiattn.masks.Modifiers.transform` for the object below and call
-its three methods; none of them writes ``tanh`` itself. The references of
+its three methods; none of them writes ``tanh`` itself. It is one instance
+of the transforms of :mod:`mpiattn.masks.scoremod` (a user's ``score_mod``
+is another): its methods take the tile's indices ``at`` and read none. The references of
 :mod:`mpiattn.kernels.reference` keep a formula of their own on purpose (a
 reference shares no code with what it checks).
 
@@ -57,7 +59,7 @@ class Softcap:
 
     c: float
 
-    def forward_(self, S: Any) -> Any:
+    def forward_(self, S: Any, at: Any = None) -> Any:
         """``S <- y(S)`` in place (a forward that keeps nothing for a backward); returns ``S``."""
         xp = backend.array_module(S)
         S *= S.dtype.type(1.0 / self.c)
@@ -65,7 +67,7 @@ class Softcap:
         S *= S.dtype.type(self.c)
         return S
 
-    def saving_(self, S: Any, out: Any) -> Any:
+    def saving_(self, S: Any, out: Any, at: Any = None) -> Any:
         """``out <- y(S)``, and ``S`` left holding what :meth:`chain_` needs (``t = tanh(x / c)``).
 
         ``out`` has ``S``'s shape (any floating dtype); returns ``out``.
@@ -75,7 +77,7 @@ class Softcap:
         xp.tanh(S, out=S)
         return xp.multiply(S, S.dtype.type(self.c), out=out)
 
-    def chain_(self, dS: Any, saved: Any) -> Any:
+    def chain_(self, dS: Any, saved: Any, at: Any = None) -> Any:
         """``dS <- dS * dy/dx`` in place, from what :meth:`saving_` left (``saved`` is overwritten:
         ``1 - t^2``); returns ``dS``."""
         xp = backend.array_module(saved)

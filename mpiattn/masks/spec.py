@@ -116,6 +116,8 @@ class MaskSpec:
         measured from it.
     softcap : float or None
         The scores are capped, ``c tanh(x / c)`` (:mod:`mpiattn.masks.modifiers`).
+    score_mod : bool
+        A user's ``score_mod`` transforms the scores (:mod:`mpiattn.masks.scoremod`).
     alibi : bool
         ALiBi slopes are given.
     attn_mask : {None, "bool", "float"}
@@ -140,6 +142,7 @@ class MaskSpec:
     mask_mod: bool = False
     sinks: bool = False
     max_logit: bool = False
+    score_mod: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.causal, str):
@@ -153,7 +156,7 @@ class MaskSpec:
             raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
         if self.attn_mask not in (None, "bool", "float"):
             raise ValueError(f"MaskSpec.attn_mask is None, 'bool' or 'float', got {self.attn_mask!r}")
-        for name in ("alibi", "mask_mod", "sinks", "max_logit"):
+        for name in ("alibi", "mask_mod", "sinks", "max_logit", "score_mod"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     @property
@@ -166,7 +169,7 @@ class MaskSpec:
     @property
     def modifiers(self) -> tuple[str, ...]:
         """The active score modifiers, a sub-tuple of :data:`mpiattn.masks.modifiers.MODIFIERS`."""
-        on = {"softcap": self.softcap is not None, "alibi": self.alibi,
+        on = {"softcap": self.softcap is not None, "score_mod": self.score_mod, "alibi": self.alibi,
               "attn_mask": self.attn_mask is not None, "mask_mod": self.mask_mod,
               "sinks": self.sinks, "max_logit": self.max_logit}
         return tuple(m for m in MODIFIERS if on[m])

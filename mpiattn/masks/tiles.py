@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import backend
 from .modifiers import Modifiers, fold_tile
+from .scoremod import TileIndex
 from .spec import RULES, MaskSpec
 
 __all__ = ["BlockMask", "QuerySide", "block_mask", "padding_bias", "REFINE_LIMIT"]
@@ -171,6 +172,13 @@ class BlockMask:
         """The call's elementwise score transform ``y = f(x)`` (:attr:`Modifiers.transform`: the
         softcap), or None."""
         return None if self.mods is None else self.mods.transform
+
+    def at(self, i0: int, i1: int, j0: int, j1: int, group: int, xp: Any = np) -> TileIndex:
+        """The global indices of the tile of queries ``i0:i1`` (folded: ``group`` rows each) and
+        keys ``j0:j1``, for the call's score transform (:mod:`mpiattn.masks.scoremod`)."""
+        B = 1 if self.mods is None else max(self.mods.B, 1)
+        heads = np.arange(group) if self.heads is None else self.heads
+        return TileIndex.folded(B, heads, group, self.q_pos[i0:i1], self.k_pos[j0:j1], xp)
 
     @property
     def formed(self) -> bool:

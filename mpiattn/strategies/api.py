@@ -27,8 +27,8 @@ __all__ = ["attention", "attention_backward"]
 
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
               segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
-              mask_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-              progress: Progress = None, details: dict | None = None,
+              mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
+              sinks: Any = None, progress: Progress = None, details: dict | None = None,
               **options: Any) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
@@ -71,6 +71,13 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
         compared, its code is the caller's duty. A named rule of
         :mod:`mpiattn.masks.mods` (e.g. ``mods.parse("chunked:4096")``) is compared
         by its name and parameters, and skips the blocks and tiles it hides whole.
+    score_mod : mpiattn.ScoreMod or callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score``: a transform of the raw scores
+        ``scale q . k`` (FlexAttention's convention), elementwise on broadcasting arrays of
+        global indices, applied tile by tile before ALiBi, a float ``attn_mask`` and the rules
+        (:mod:`mpiattn.masks.scoremod`); ``ScoreMod(fn, grad)`` gives its derivative with respect
+        to the score, which a backward needs. The same function on every rank (its code and the
+        values it captures are compared). Not with ``softcap`` (a score_mod may cap).
     alibi_slopes : ndarray, shape (H,) or (B, H), optional
         ALiBi: ``-slope[b, h] |i + d - j|`` is added to the scores (``d`` the
         diagonal: ``M - N`` with bottom-right causal, else 0).
@@ -135,8 +142,8 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     """
     plan = plan_attention(q, k, v, comm, key_padding_mask=key_padding_mask,
                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                          attn_mask=attn_mask, mask_mod=mask_mod, alibi_slopes=alibi_slopes,
-                          sinks=sinks, **options)
+                          attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
+                          alibi_slopes=alibi_slopes, sinks=sinks, **options)
     if details is not None:
         details.update(plan.details())
     return plan.run_forward(q, k, v, key_padding_mask, progress, details=details)
@@ -145,7 +152,8 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm: Any = None, *,
                        key_padding_mask: Any = None, segment_ids: Any = None,
                        kv_segment_ids: Any = None, attn_mask: Any = None, mask_mod: Any = None,
-                       alibi_slopes: Any = None, sinks: Any = None, progress: Progress = None,
+                       score_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
+                       progress: Progress = None,
                        details: dict | None = None, **options: Any) -> tuple:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
@@ -162,8 +170,9 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     comm, key_padding_mask, segment_ids, kv_segment_ids, progress, details, **options
         As in :func:`attention`; pass the same values as to the forward call
         (the engine may differ: the gradients only need ``out`` and ``lse``).
-    attn_mask, mask_mod, alibi_slopes, sinks
-        As in :func:`attention` (the same values as the forward call's).
+    attn_mask, mask_mod, score_mod, alibi_slopes, sinks
+        As in :func:`attention` (the same values as the forward call's; ``score_mod`` with its
+        derivative: a ``ScoreMod(fn, grad)``).
 
     Returns
     -------
@@ -194,8 +203,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse}, options,
                   segment_ids, kv_segment_ids,
-                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "alibi_slopes": alibi_slopes,
-                   "sinks": sinks})
+                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "score_mod": score_mod,
+                   "alibi_slopes": alibi_slopes, "sinks": sinks})
     if details is not None:
         details.update(pb.details())
     return backward_problem(c, pb, dout, q, k, v, out, lse, key_padding_mask, progress)

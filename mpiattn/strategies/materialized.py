@@ -28,6 +28,7 @@ from ..comm.core import Comm
 from ..layouts import layout_key, local_lengths
 from ..masks import padding_bias, visible
 from ..masks.ids import global_rows
+from ..masks.scoremod import TileIndex
 from ..products import matmul_nn, matmul_nt, matmul_tn
 from ..sharding import relayout_rows
 from .base import Phase, Progress, Strategy, report, ring_phase
@@ -37,8 +38,8 @@ __all__ = ["Materialized"]
 
 def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]:
     """``S`` (the scores ``y``: softcap, ALiBi, ``attn_mask`` and every rule applied), shape
-    ``(B, Hkv, G, n_r, M)`` (accumulation dtype); what the transform's (softcap's) chain rule
-    needs, else None;
+    ``(B, Hkv, G, n_r, M)`` (accumulation dtype); what the transform's chain rule needs (the raw
+    scores and the tile's indices), else None;
     the largest visible ``x`` per query head (host float64 ``(H,)``) with ``max_logit``, else None."""
     xp = backend.array_module(q)
     s = pb.spec
@@ -67,8 +68,11 @@ def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]
         x = x if pad is None else x + pad
         top = backend.to_host(x.reshape(B, s.H, n, s.M).max(axis=(0, 2, 3), initial=-np.inf))
     t = None
-    if mods is not None and mods.transform is not None:
-        t, S = S, mods.transform.saving_(S, out=xp.empty_like(S))
+    if mods is not None and mods.transform is not None:  # t: (raw x, the indices) for its chain rule
+        at = TileIndex(lambda: (np.arange(B).reshape(B, 1, 1, 1, 1),
+                                np.asarray(heads).reshape(1, s.Hkv, s.G, 1, 1),
+                                q_pos.reshape(1, 1, 1, n, 1), k_pos.reshape(1, 1, 1, 1, s.M)), xp)
+        t, S = (S, at), mods.transform.saving_(S, xp.empty_like(S), at)
     if mods is not None and mods.adds:
         S = S + backend.to_device(unfold(mods.added(heads, np.arange(n), q_pos, k_pos,
                                                     s.mask.diagonal).astype(acc)), xp)
@@ -119,7 +123,7 @@ def _backward(c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, lse: Any, D: 
     dP = matmul_nt(do5, v5, c, **kw)
     dS = Pm * (dP - D.astype(acc).reshape(B, s.Hkv, s.G, n)[..., None])  # D = rowsum(dO * O)
     if t is not None:  # dS *= dy/dx (the transform's)
-        pb.mods.transform.chain_(dS, t)
+        pb.mods.transform.chain_(dS, *t)
     dq = s.scale * matmul_nn(dS, k5, c, **kw)
     dk = s.scale * matmul_tn(dS, q5, c, **kw).sum(axis=2)
     report(progress, 1, 1)

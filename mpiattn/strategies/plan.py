@@ -225,8 +225,8 @@ def backward_problem(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, ou
 
 def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
                    segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
-                   mask_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-                   **options: Any) -> AttentionPlan:
+                   mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
+                   sinks: Any = None, **options: Any) -> AttentionPlan:
     """Validate, agree and plan an attention call once (collective); see the module docstring.
 
     Parameters
@@ -239,7 +239,7 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
         A mask of the shape later calls pass (its values may differ per call).
     segment_ids, kv_segment_ids : integer arrays, optional
         The documents: part of the plan (gathered once; another set needs another plan).
-    attn_mask, mask_mod, alibi_slopes : optional
+    attn_mask, mask_mod, score_mod, alibi_slopes : optional
         Score modifiers (as :func:`mpiattn.attention`): part of the plan.
     sinks : array (H,), optional
         The sinks; a call may pass new values (``forward(..., sinks=)``), e.g. a training step's.
@@ -267,8 +267,8 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids,
-                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "alibi_slopes": alibi_slopes,
-                   "sinks": sinks})
+                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "score_mod": score_mod,
+                   "alibi_slopes": alibi_slopes, "sinks": sinks})
     B, H, n, _ = q.shape
     shapes = {"q": (tuple(q.shape), q.dtype), "k": (tuple(k.shape), k.dtype),
               "v": (tuple(v.shape), v.dtype), "dout": ((B, H, n, v.shape[3]), q.dtype),

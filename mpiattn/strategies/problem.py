@@ -30,6 +30,7 @@ from ..masks.ids import global_rows, local_ids
 from ..masks import fingerprint
 from ..masks.maskmod import MaskMod
 from ..masks.modifiers import ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, check_slopes, mask_kind
+from ..masks.scoremod import check_score_mod
 from ..masks.sinks import check_sinks
 from . import machines, registry
 from .base import Strategy
@@ -185,6 +186,9 @@ def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
     if scores.get("mask_mod") is not None:
         fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
         agreed["_mask_mod"] = fingerprint.identity(fn)
+    if scores.get("score_mod") is not None:
+        kept["score_mod"] = check_score_mod(scores["score_mod"])
+        agreed["score_mod (its code and captured values)"] = fingerprint.identity(kept["score_mod"])
     return agreed
 
 
@@ -212,6 +216,12 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
     kept: dict = {}
     agreed = _scores(scores, B, H, n, kept)
     ids["scores"] = kept
+    if "score_mod" in kept and options.softcap is not None:
+        raise ValueError("softcap and score_mod are both score transforms: give one (a score_mod "
+                         "may cap its own result: c * tanh(f(x) / c))")
+    if "dout" in extra and "score_mod" in kept and not getattr(kept["score_mod"], "differentiable", True):
+        raise ValueError("score_mod has no derivative: a backward needs mpiattn.ScoreMod(fn, grad), "
+                         "grad(score, b, h, q_idx, kv_idx) = d fn / d score")
     am = kept.get("attn_mask")
     here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
                                      padding=mask is not None, segments=segment_ids is not None,
@@ -219,7 +229,8 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
                                      alibi="alibi" in kept,
                                      attn_mask=None if am is None else agreed[
                                          "attn_mask (kind, batch, heads)"][0],
-                                     mask_mod="mask_mod" in kept, sinks="sinks" in kept)
+                                     mask_mod="mask_mod" in kept, sinks="sinks" in kept,
+                                     score_mod="score_mod" in kept)
     mask_spec = here.mask
     machine = None
     if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
@@ -312,12 +323,20 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         mods = None
         if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
             mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
-                             kept.get("mask_mod"), spec.B, spec.H)
+                             kept.get("mask_mod"), kept.get("score_mod"), spec.B, spec.H)
         fn = kept.get("mask_mod")
         if fn is not None and not isinstance(fn, MaskMod):  # a plain function: its answers too
             c.agree(lambda: {"mask_mod's answers on a fixed sample of pairs (CRC-32)":
                              fingerprint.answers(fn, spec.B, spec.H, N, M, spec.mask.diagonal)},
                     call="attention's mask_mod")
+        if "score_mod" in kept:  # its answers, equal to a tolerance on every rank
+            said = c.allgather_checked(lambda: fingerprint.score_answers(
+                kept["score_mod"], spec.B, spec.H, N, M, spec.mask.diagonal), call="attention's score_mod")
+            bad = [r for r, a in enumerate(said) if not fingerprint.same_answers(a, said[0])]
+            if bad:
+                raise ValueError(f"ranks disagree on score_mod's answers on a fixed sample of scores "
+                                 f"and pairs (to a relative 1e-6): rank {bad[0]}'s differ from rank "
+                                 "0's (one function on every rank, reading the same values?)")
         # whether some pair is hidden: from every rank's rows (a float attn_mask may hold -inf
         # on some ranks only), so that every rank counts the pairs, or none does
         hides = fn is not None or any(g["_mask_hides"] for g in got)

@@ -207,7 +207,8 @@ class AttentionSpec:
     def from_shapes(cls, q: tuple, k: tuple, v: tuple, dtype: Any, options: Options | None = None,
                     *, device: str = "numpy", padding: bool = False, segments: bool = False,
                     kv_segments: bool = False, alibi: bool = False, attn_mask: str | None = None,
-                    mask_mod: bool = False, sinks: bool = False) -> "AttentionSpec":
+                    mask_mod: bool = False, sinks: bool = False,
+                    score_mod: bool = False) -> "AttentionSpec":
         """The spec of a call on shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M,
         Ev)``: the one constructor (global shapes to plan or estimate a run; a rank's local
         shapes inside a validation, whose agreement then sets the global lengths). The
@@ -220,6 +221,6 @@ class AttentionSpec:
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
         mask = MaskSpec(bool(o.causal), o.window, segments, kv_segments, padding,
                         diagonal(o.causal, N, M), o.softcap, alibi, attn_mask, mask_mod, sinks,
-                        o.max_logit)
+                        o.max_logit, score_mod)
         return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device, softmax_scale(o.scale, E), mask,
                    o.layout, o.layout if o.kv_layout is None else o.kv_layout, o)

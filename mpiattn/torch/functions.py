@@ -31,6 +31,7 @@ from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies.plan import reuse_or_plan
+from .scoremod import TorchScoreMod, captured
 from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
 
 __all__ = ["attention", "plan_for", "matmul_nt", "matmul_nn", "matmul_tn"]
@@ -70,7 +71,8 @@ class _Call:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: torch.Tensor | None, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+                sinks: torch.Tensor | None, call: _Call,
+                *captured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with on_device(q.device):
             if call.plan is not None:
                 if call.details is not None:
@@ -110,6 +112,8 @@ class _Attention(torch.autograd.Function):
                 dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
         if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
             v, dout, out = _with_lse_gradient(v, dout, out, dlse)
+        if call.keywords.get("score_mod") is not None:  # its captured tensors' gradients, anew
+            call.keywords["score_mod"].start_backward()
         with on_device(q.device):
             arrays = (to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
                       to_array(lse))
@@ -120,7 +124,8 @@ class _Attention(torch.autograd.Function):
                 grads = np_attention_backward(*arrays, call.comm, progress=call.progress,
                                               **call.keywords)
             dq, dk, dv = (to_tensor(g) for g in grads[:3])
-        return dq, dk, dv[..., :Ev], dsinks, None
+        mod = call.keywords.get("score_mod")
+        return (dq, dk, dv[..., :Ev], dsinks, None, *(() if mod is None else mod.gradients()))
 
 
 def _sink_gradient(sinks: Any, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
@@ -164,8 +169,9 @@ def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
               key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
-              attn_mask: Any = None, mask_mod: Any = None, alibi_slopes: Any = None,
-              sinks: Any = None, return_lse: bool = False, progress: Any = None,
+              attn_mask: Any = None, mask_mod: Any = None, score_mod: Any = None,
+              alibi_slopes: Any = None, sinks: Any = None, return_lse: bool = False,
+              progress: Any = None,
               details: dict | None = None, planned: Any = None, **options: Any) -> Any:
     """Exact attention over a sequence sharded across ranks, differentiable by torch's autograd.
 
@@ -189,6 +195,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         Document ids ``(B, n_r)``, ``(B, m_r)`` (see :func:`mpiattn.attention`).
     attn_mask, mask_mod, alibi_slopes : optional
         Score modifiers (see :func:`mpiattn.attention`; tensors need no gradient).
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score`` written with torch ops (see
+        :func:`mpiattn.attention`): differentiated by autograd on each tile
+        (:mod:`mpiattn.torch.scoremod`); the tensors it captures (closure, defaults) that
+        require grad get this rank's part of their gradient, which
+        :func:`mpiattn.torch.reduce_gradients` sums. The same function and values on every rank.
     sinks : torch.Tensor or ndarray, shape (H,), optional
         The sinks (:mod:`mpiattn.masks.sinks`). A tensor that requires grad gets this rank's
         part of its gradient, like every replicated parameter
@@ -241,6 +253,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     torch.Size([1, 2, 5, 4])
     """
     c = get_comm(comm)
+    mod = None
+    if score_mod is not None:
+        mod = TorchScoreMod(score_mod, captured(score_mod) if torch.is_grad_enabled() else ())
     sinks_t = sinks if isinstance(sinks, torch.Tensor) else None
     sinks_grad = bool(torch.is_grad_enabled() and sinks_t is not None and sinks_t.requires_grad)
     ids = _agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
@@ -249,15 +264,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
                                                  "attn_mask": attn_mask, "mask_mod": mask_mod,
                                                  "alibi_slopes": alibi_slopes},
                  {"return_lse": bool(return_lse), "sinks (given, requires_grad)": (
-                     sinks is not None, sinks_grad)})
+                     sinks is not None, sinks_grad), "score_mod (given, tensors it captures that "
+                     "require grad)": (mod is not None, 0 if mod is None else len(mod.params)),
+                  "a plan (planned=) beside a score_mod": planned is not None and mod is not None})
     lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, *(() if sinks_t is None else (sinks_t,))))
     host = None
     if sinks is not None:  # values only: the library agrees and checks them
         host = (sinks_t.detach().to("cpu", torch.float64).numpy() if sinks_t is not None
                 else np.asarray(sinks, dtype=np.float64))
+    if mod is not None:
+        if planned is not None:  # (agreed above: every rank raises alike)
+            raise ValueError("mpiattn.torch.attention: a plan (planned=) does not take a score_mod; "
+                             "call without planned=")
+        ids["score_mod"] = mod
     call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host)
-    out, lse = _Attention.apply(q, k, v, sinks_t, call)
+    out, lse = _Attention.apply(q, k, v, sinks_t, call, *(() if mod is None else mod.params))
     return (out, lse) if return_lse else out
 
 

@@ -71,6 +71,7 @@ class Case:
     block: int | None = 7
     seed: int = 0
     softcap: float | None = None
+    score_mod: str | None = None  # a name of property_calls.SCORE_MODS
     sinks: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -146,6 +147,8 @@ def _flash_scores_sample():
                           ("flash-108x256-d40-hkv1", 0.8), ("flash-239x1-d59-hkv3", None)):
         c = grid[name]
         out.append(replace(c, name=f"{name}-softcap{softcap}-sinks", softcap=softcap, sinks=True))
+    for name, mod in (("flash-113x203-d64-hkv9", "relative-bias"), ("flash-108x256-d40-hkv1", "temperature")):
+        out.append(replace(grid[name], name=f"{name}-score_mod-{mod}", score_mod=mod))
     return out
 
 
@@ -200,13 +203,26 @@ def _compute(case):
         pad[-1] = True  # a batch entry with no key at all
     vis = visible_matrix(case.B, case.N, case.m, case.causal, case.window, seg, seg, pad)
     sinks = rng.standard_normal(case.H) if case.sinks else None
-    if case.sinks or case.softcap is not None:
-        ref = torch_reference(Q, K, V, dO, vis[:, None], softcap=case.softcap, sinks=sinks)[:6]
+    mod = _score_mod(case)
+    if case.sinks or case.softcap is not None or mod is not None:
+        ref = torch_reference(Q, K, V, dO, vis[:, None], softcap=case.softcap, sinks=sinks,
+                              score_mod=None if mod is None else mod[1])[:6]
     else:
         ref = dense_attention(Q, K, V, vis[:, None], None, dO)
-    base = baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks)
-    extra = allowances(Q, K, V, dO, vis[:, None], ref[1], case.softcap, sinks)
+    base = baseline(Q, K, V, dO, vis[:, None], dt, case.softcap, sinks,
+                    score_mod=None if mod is None else mod[1])
+    extra = allowances(Q, K, V, dO, vis[:, None], ref[1], case.softcap, sinks,
+                       score_mod=None if mod is None else mod[0])
     return Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra
+
+
+def _score_mod(case):
+    """The case's ``(mpiattn.ScoreMod, its torch form)`` (the search's menu), or None."""
+    if case.score_mod is None:
+        return None
+    import property_calls
+
+    return property_calls.score_mod(property_calls.Call(P=1, seed=0, score_mod=case.score_mod))
 
 
 def _layouts(case, P, seg):
@@ -246,7 +262,8 @@ def _skip_reason(topology, strategy, engine, case, device):
     spec = AttentionSpec.from_shapes((case.B, case.H, case.N, case.E), (case.B, case.Hkv, case.m, case.E),
                                      (case.B, case.Hkv, case.m, case.ev), case.dtype,
                                      _options(case, strategy, engine), device=device, padding=case.pad,
-                                     segments=case.docs, sinks=case.sinks)
+                                     segments=case.docs, sinks=case.sinks,
+                                     score_mod=case.score_mod is not None)
     why = s.supports(spec, topology)
     if why is None:
         e = engines.get(engine)
@@ -290,7 +307,7 @@ def test_contract(comm, xp, strategy, engine, case):
         pytest.importorskip("ml_dtypes")
         pytest.importorskip("torch", reason="bfloat16's baseline is torch's bfloat16 attention")
     P = comm.size
-    if case.sinks or case.softcap is not None:
+    if case.sinks or case.softcap is not None or case.score_mod is not None:
         pytest.importorskip("torch", reason="the reference of the softcap and sinks is torch autograd")
     options = _options(case, strategy, engine)
     Q, K, V, dO, seg, pad, vis, ref, base, sinks, extra = _data(case, comm)
@@ -305,6 +322,8 @@ def test_contract(comm, xp, strategy, engine, case):
               segment_ids=None if seg is None else mpiattn.shard(seg, axis=-1, layout=lay))
     if sinks is not None:
         kw["sinks"] = sinks
+    if case.score_mod is not None:
+        kw["score_mod"] = _score_mod(case)[0]
     used = {}
     out, lse = mpiattn.attention(q, k, v, details=used, **kw)
     grads = mpiattn.attention_backward(do, q, k, v, out, lse, **kw)

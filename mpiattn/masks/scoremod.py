@@ -1,0 +1,144 @@
+"""User score functions: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied tile by tile.
+
+A *score transform* is an elementwise ``y = f(x, b, h, i, j)`` of a pair's raw score
+``x = s q_i . k_j`` (after the scale), before the additive terms (ALiBi, a float
+``attn_mask``) and the rules' ``-inf``; its backward multiplies ``dS`` by ``dy/dx``
+(``docs/scores.md``). The kernels ask :attr:`mpiattn.masks.Modifiers.transform` for one
+object and call its three methods on each score tile, in place:
+
+``forward_(S, at)``
+    ``S <- f(S)`` (a forward that keeps nothing);
+``saving_(S, out, at)``
+    ``out <- f(S)``, ``S`` left holding what the chain rule needs;
+``chain_(dS, saved, at)``
+    ``dS <- dS * dy/dx`` from what ``saving_`` left.
+
+``at`` is a :class:`TileIndex`: the tile's global batch entries, query heads, query and key
+positions as integer arrays that broadcast against ``S`` (made on first use, so a transform
+that reads none, as :class:`~mpiattn.masks.softcap.Softcap`, costs nothing for them). Their
+shapes follow the engine's layout of the tile (e.g. ``(B, Hkv, rows x G, keys)`` with the
+query heads of a key/value head folded into the rows), so a ``score_mod`` must be
+elementwise: it may index tables with them (``bias[h, q_idx - kv_idx]``), never reshape.
+
+:class:`ScoreMod` is a user's transform on NumPy or CuPy arrays: the function and its
+derivative with respect to the score (``mpiattn.torch`` differentiates a function written
+with torch ops by autograd instead). The same function gives the same result on every
+strategy, engine and rank count, since the indices are global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import backend
+
+__all__ = ["ScoreMod", "TileIndex", "check_score_mod"]
+
+
+class TileIndex:
+    """The global indices of one score tile, as arrays broadcasting against it (made once, on
+    first use, on the tile's device).
+
+    Parameters
+    ----------
+    make : callable
+        ``make() -> (b, h, q_idx, kv_idx)``, host int64 arrays that broadcast against the tile.
+    xp : module
+        The tile's array module (NumPy or CuPy): the arrays are moved there.
+    """
+
+    __slots__ = ("_make", "_xp", "_arrays")
+
+    def __init__(self, make: Callable[[], tuple], xp: Any = np):
+        self._make, self._xp, self._arrays = make, xp, None
+
+    def arrays(self) -> tuple:
+        """``(b, h, q_idx, kv_idx)`` on the tile's device."""
+        if self._arrays is None:
+            self._arrays = tuple(backend.to_device(np.asarray(a, dtype=np.int64), self._xp)
+                                 for a in self._make())
+        return self._arrays
+
+    @classmethod
+    def folded(cls, B: int, heads: np.ndarray, group: int, q_pos: np.ndarray, k_pos: np.ndarray,
+               xp: Any = np) -> "TileIndex":
+        """The indices of a tile in the native engine's folded rows: ``(B, Hkv, r * G, k)``, row
+        ``i * G + g`` holding query ``q_pos[i]`` of the query head ``heads[kv * G + g]``."""
+        def make() -> tuple:
+            hk = np.asarray(heads, dtype=np.int64).reshape(-1, group)  # (Hkv, G)
+            r = q_pos.size
+            h = np.broadcast_to(hk[None, :, None, :], (1, hk.shape[0], r, group)).reshape(
+                1, hk.shape[0], r * group, 1)
+            q = np.repeat(np.asarray(q_pos, dtype=np.int64), group).reshape(1, 1, r * group, 1)
+            return (np.arange(B).reshape(B, 1, 1, 1), h, q,
+                    np.asarray(k_pos, dtype=np.int64).reshape(1, 1, 1, -1))
+        return cls(make, xp)
+
+
+def check_score_mod(fn: Any) -> "ScoreMod":
+    """``fn`` as a :class:`ScoreMod` (a callable without a derivative: a forward only), else
+    TypeError."""
+    if isinstance(fn, ScoreMod) or hasattr(fn, "saving_"):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) -> score "
+                        f"or a mpiattn.ScoreMod(fn, grad), got {fn!r}")
+    return ScoreMod(fn)
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """A user's score transform on NumPy or CuPy arrays (the module docstring).
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(score, b, h, q_idx, kv_idx) -> score``, elementwise on broadcasting arrays: ``score``
+        the raw scores ``s q . k`` of a tile (float32, float64 for float64 inputs), the others
+        their global batch entries, query heads, query and key positions (int64).
+    grad : callable, optional
+        ``grad(score, b, h, q_idx, kv_idx) -> d fn / d score`` at ``score`` (the same
+        broadcasting); needed for a backward.
+
+    Examples
+    --------
+    A per-head temperature and a relative-position bias (``bias`` an ``(H, 2 N)`` table the
+    function captures):
+
+    >>> import numpy as np
+    >>> from mpiattn import ScoreMod
+    >>> temp = np.array([1.0, 0.5])
+    >>> mod = ScoreMod(lambda s, b, h, q, kv: s * temp[h], lambda s, b, h, q, kv: temp[h] + 0 * s)
+    """
+
+    fn: Callable
+    grad: Callable | None = None
+
+    @property
+    def differentiable(self) -> bool:
+        """A backward can run (the derivative is given)."""
+        return self.grad is not None
+
+    def _apply(self, f: Callable, S: Any, at: TileIndex) -> Any:
+        return f(S, *at.arrays())
+
+    def forward_(self, S: Any, at: TileIndex) -> Any:
+        """``S <- fn(S)`` in place; returns ``S``."""
+        S[...] = self._apply(self.fn, S, at)
+        return S
+
+    def saving_(self, S: Any, out: Any, at: TileIndex) -> Any:
+        """``out <- fn(S)``; ``S`` keeps the raw scores (what :meth:`chain_` needs); returns ``out``."""
+        out[...] = self._apply(self.fn, S, at)
+        return out
+
+    def chain_(self, dS: Any, saved: Any, at: TileIndex) -> Any:
+        """``dS <- dS * grad(saved)`` in place; returns ``dS``."""
+        if self.grad is None:
+            raise ValueError("score_mod has no derivative: pass mpiattn.ScoreMod(fn, grad) for a "
+                             "backward")
+        dS *= self._apply(self.grad, saved, at)
+        return dS
