@@ -52,13 +52,20 @@ def _score_mods():
 
     from mpiattn import ScoreMod
 
+    from mpiattn.backend import array_module
+
     temp = 0.5 + 0.2 * np.arange(9)
     tab = np.sin(np.arange(9 * 128, dtype=np.float64)).reshape(9, 128)  # a relative-position bias
     t_temp, t_tab = torch.tensor(temp), torch.tensor(tab)
+
+    def here(table, like):  # the table where the scores are (NumPy, or the device under CuPy)
+        return array_module(like).asarray(table)
+
     return {
-        "temperature": (ScoreMod(lambda s, b, h, q, kv: s * temp[h], lambda s, b, h, q, kv: temp[h] + 0 * s),
+        "temperature": (ScoreMod(lambda s, b, h, q, kv: s * here(temp, s)[h],
+                                 lambda s, b, h, q, kv: here(temp, s)[h] + 0 * s),
                         lambda s, b, h, q, kv: s * t_temp[h]),
-        "relative-bias": (ScoreMod(lambda s, b, h, q, kv: s + tab[h, (q - kv) % 128],
+        "relative-bias": (ScoreMod(lambda s, b, h, q, kv: s + here(tab, s)[h, (q - kv) % 128],
                                    lambda s, b, h, q, kv: np.ones_like(s)),
                           lambda s, b, h, q, kv: s + t_tab[h, (q - kv) % 128]),
         "cap": (ScoreMod(lambda s, b, h, q, kv: 3 * np.tanh(s / 3), lambda s, b, h, q, kv: 1 - np.tanh(s / 3) ** 2),

@@ -1,6 +1,7 @@
 """What the score modifiers cost (issue 28's targets), as ratios measured in one run.
 
-    python benchmarks/score_modifiers/measure.py cost          # one rank: softcap, sinks, ALiBi
+    python benchmarks/score_modifiers/measure.py cost          # one rank: softcap, sinks, ALiBi,
+                                                               # score_mod (a softcap, a bias table)
     mpiexec -n P python benchmarks/score_modifiers/measure.py skip   # block-diagonal mask_mod
     mpiexec -n P python benchmarks/score_modifiers/measure.py named  # a named rule vs its function
 
@@ -25,6 +26,7 @@ from mpiattn.comm import get_comm
 
 
 def best(fn, repeat):
+    fn()  # warm: the first call pays for imports, plans and workspaces
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -37,8 +39,18 @@ def cost(args):
     rng = np.random.default_rng(0)
     N, H, E = args.N, 8, 64
     q, k, v, do = (rng.standard_normal((1, H, N, E)).astype(np.float32) for _ in range(4))
+    cap = np.float32(30.0)
+    table = (0.1 * rng.standard_normal((H, 2 * N))).astype(np.float32)  # an (H, 2N) bias table
     variants = {"plain": {}, "softcap": {"softcap": 30.0}, "sinks": {"sinks": rng.standard_normal(H)},
-                "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)}}
+                "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)},
+                "score_mod-softcap": {"score_mod": mpiattn.ScoreMod(
+                    lambda s, b, h, i, j: cap * np.tanh(s / cap),
+                    lambda s, b, h, i, j: 1 - np.tanh(s / cap) ** 2)},
+                "score_mod-bias-table": {"score_mod": mpiattn.ScoreMod(
+                    lambda s, b, h, i, j: s + table[h, i - j + N],
+                    lambda s, b, h, i, j: np.ones_like(s))}}
+    if args.only:
+        variants = {name: kw for name, kw in variants.items() if name == "plain" or name in args.only}
     base = {}
     for name, kw in variants.items():
         opts = dict(causal=True, engine="native", strategy="ring", check_finite=False, **kw)
@@ -112,5 +124,6 @@ if __name__ == "__main__":
     ap.add_argument("what", choices=["cost", "skip", "named"])
     ap.add_argument("--N", type=int, default=16384)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None, help="cost: these variants (and plain) only")
     a = ap.parse_args()
     {"cost": cost, "skip": skip, "named": named}[a.what](a)

@@ -17,7 +17,10 @@ that wait into a hang, and this module turns each into an error instead:
   *departure notice* to its successor in rank order (:meth:`Discipline.depart`);
   a rank waiting at the entry check of a public call (or, in the checking mode, at
   any collective) polls for it, passes it on to its own successor and raises a
-  RuntimeError naming the rank that ended. O(P) messages in all.
+  RuntimeError naming the rank that ended. O(P) messages in all. Each rank, at its
+  own exit, then receives its predecessor's notice (waiting as MPI's finalize would
+  wait for that rank anyway), so no message is left unmatched at ``MPI_Finalize``
+  (UCX warns of every one: "unexpected tag-receive descriptor ... was not matched").
 * **Two threads on one communicator** at once: MPI needs a communicator's
   collectives to come from one thread at a time (or from threads that order them
   alike on every rank, which nothing checks). The public calls claim their Comm
@@ -57,6 +60,8 @@ CHECK_VARIABLE = "MPIATTN_CHECK_COLLECTIVES"
 CHECK_DEFAULT_S = 120.0
 #: The tag of the departure notices (no other message of the library's uses it).
 DEPART_TAG = 7701
+#: The longest wait at the interpreter's exit for the predecessor's own notice (seconds).
+EXIT_WAIT_S = 300.0
 #: Bytes of one rank's call site in the checking mode's exchange.
 SITE_BYTES = 512
 
@@ -126,6 +131,7 @@ class Discipline:
         self.timeout = timeout
         self._sites = mpi_comm.Dup() if timeout is not None and self.size > 1 else None
         self._departed: int | None = None  # the rank that ended, once a notice came
+        self._pred_ended = False           # the predecessor's own notice was received
         self._forwarded = False
         self._lock = threading.Lock()
         self._owner: int | None = None     # the thread that holds the Comm, and how deep
@@ -161,8 +167,35 @@ class Discipline:
 
     def depart(self) -> None:
         """At the interpreter's exit: tell the successor that this rank has ended (a notice it
-        polls for while it waits; never raises, never waits long)."""
+        polls for while it waits), then take the predecessor's own notice (and any it passed on
+        before), so none is left unmatched. Never raises; waits at most :data:`EXIT_WAIT_S`."""
         self._notify(self.rank)
+        try:
+            from mpi4py import MPI
+
+            if self._closed or not MPI.Is_initialized() or MPI.Is_finalized():
+                return
+            end = time.monotonic() + EXIT_WAIT_S
+            while not self._pred_ended and time.monotonic() < end:
+                if self._take() is None:
+                    time.sleep(1e-3)
+        except Exception:  # noqa: BLE001 - a notice is a courtesy, never a failure
+            pass
+
+    def _take(self) -> int | None:
+        """Receive one waiting notice (the rank it names), or None when none has come."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        if not self.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=DEPART_TAG, status=status):
+            return None
+        got = np.zeros(1, dtype=np.int64)
+        source = status.Get_source()  # always the predecessor: notices go to the successor
+        self.mpi.Recv([got, MPI.INT64_T], source=source, tag=DEPART_TAG)
+        who = int(got[0])
+        if who == source:
+            self._pred_ended = True
+        return who
 
     def _notify(self, who: int) -> None:
         try:
@@ -180,14 +213,10 @@ class Discipline:
 
     def _heed(self, what: str) -> None:
         """Raise when a departure notice has come (passing it on to the successor first)."""
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        if not self.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=DEPART_TAG, status=status):
+        who = self._take()
+        if who is None:
             return
-        got = np.zeros(1, dtype=np.int64)
-        self.mpi.Recv([got, MPI.INT64_T], source=status.Get_source(), tag=DEPART_TAG)
-        self._departed = int(got[0])
+        self._departed = who
         if not self._forwarded and (self.rank + 1) % self.size != self._departed:
             self._forwarded = True
             self._notify(self._departed)

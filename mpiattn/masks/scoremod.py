@@ -103,6 +103,11 @@ class ScoreMod:
         ``grad(score, b, h, q_idx, kv_idx) -> d fn / d score`` at ``score`` (the same
         broadcasting); needed for a backward.
 
+    Notes
+    -----
+    On CuPy the arguments are device arrays, so tables the functions capture must live on
+    the device too (``cupy.asarray(bias)`` once, outside the function).
+
     Examples
     --------
     A per-head temperature and a relative-position bias (``bias`` an ``(H, 2 N)`` table the
