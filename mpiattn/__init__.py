@@ -37,6 +37,7 @@ _EXPORTS = {
     "get_comm": "comm",
     "KVCache": "inference",
     "ScoreMod": "masks.scoremod",
+    "Score": "masks.score",
 }
 
 __all__ = ["__version__", *_EXPORTS]

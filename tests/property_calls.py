@@ -56,7 +56,8 @@ def _score_mods():
 
     temp = 0.5 + 0.2 * np.arange(9)
     tab = np.sin(np.arange(9 * 128, dtype=np.float64)).reshape(9, 128)  # a relative-position bias
-    t_temp, t_tab = torch.tensor(temp), torch.tensor(tab)
+    t_temp, t_tab, t_tau = torch.tensor(temp), torch.tensor(tab), torch.tensor(TAU)
+    tau = TAU
 
     def here(table, like):  # the table where the scores are (NumPy, or the device under CuPy)
         return array_module(like).asarray(table)
@@ -70,13 +71,21 @@ def _score_mods():
                           lambda s, b, h, q, kv: s + t_tab[h, (q - kv) % 128]),
         "cap": (ScoreMod(lambda s, b, h, q, kv: 3 * np.tanh(s / 3), lambda s, b, h, q, kv: 1 - np.tanh(s / 3) ** 2),
                 lambda s, b, h, q, kv: 3 * torch.tanh(s / 3)),
+        "per-head-temperature": (ScoreMod(lambda s, b, h, q, kv: s / here(tau, s)[h],
+                                          lambda s, b, h, q, kv: 1 / here(tau, s)[h] + 0 * s),
+                                 lambda s, b, h, q, kv: s / t_tau[h]),
         "batch-square": (ScoreMod(lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s,
                                   lambda s, b, h, q, kv: (1 + b) - 0.1 * s),
                          lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s),
     }
 
 
-SCORE_MODS = ("temperature", "relative-bias", "cap", "batch-square")
+SCORE_MODS = ("temperature", "relative-bias", "cap", "batch-square", "per-head-temperature")
+#: Per-head temperatures of at most 9 heads (the draws' most).
+TAU = 0.6 + 0.15 * np.arange(9)
+#: score_mods the library is given as a modifier of its own (a :class:`mpiattn.Score` field; the
+#: ScoreMod of the same name is the reference's and the tolerance's form of it).
+AS_MODIFIER = {"per-head-temperature": lambda call: {"temperature": TAU[:call.H]}}
 _SCORE_MOD_OBJECTS: dict = {}
 
 
@@ -402,7 +411,9 @@ def _run(call, comm, a):
         scores["sinks"] = a["sinks"]
     if call.mask_mod is not None:
         scores["mask_mod"] = mask_mod(call)
-    if call.score_mod is not None:
+    if call.score_mod in AS_MODIFIER:
+        scores["score"] = mpiattn.Score(**AS_MODIFIER[call.score_mod](call))
+    elif call.score_mod is not None:
         scores["score_mod"] = score_mod(call)[0]
     used: dict = {}
     if call.api == "plan":

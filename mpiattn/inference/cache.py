@@ -31,6 +31,7 @@ from ..io.naming import NEW, Rule
 from ..io.publishing import Outputs
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
+from ..masks.score import Score
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE
 from . import stored
@@ -271,7 +272,8 @@ class KVCache:
     # ------------------------------------------------------------- attending
     def attend(self, q: Any, *, causal: bool = True, window: Any = None, scale: float | None = None,
                softcap: float | None = None, alibi_slopes: Any = None, sinks: Any = None,
-               attn_mask: Any = None, engine: str = "auto", check_finite: bool = True,
+               attn_mask: Any = None, mask_mod: Any = None, score_mod: Any = None,
+               score: Score | None = None, engine: str = "auto", check_finite: bool = True,
                details: dict | None = None) -> tuple[Any, Any]:
         """Decode: ``t`` new queries, the same on every rank, against the whole cache (collective).
 
@@ -297,6 +299,11 @@ class KVCache:
         attn_mask : array, shape (B or 1, H or 1, t, length), optional
             Bool (True = the pair takes part) or float (added), its key axis absolute positions;
             the same on every rank.
+        mask_mod, score_mod : optional
+            As in :func:`mpiattn.attention`, given absolute positions: ``q_idx`` of query ``i``
+            is ``length - t + i``, ``kv_idx`` the key's position in the cache.
+        score : mpiattn.Score, optional
+            The score modifiers as one object; the keywords above add to it.
         engine : str
             ``"auto"`` (native) or a registered engine.
         check_finite : bool
@@ -315,11 +322,13 @@ class KVCache:
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
                         softcap=softcap, engine=engine, check_finite=check_finite)
         return decode(self.comm, self.shard, self.length, q, settings, details,
-                      {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask})
+                      Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
+                               mask_mod=mask_mod, score_mod=score_mod))
 
     def plan_attend(self, q: Any, *, causal: bool = True, window: Any = None,
                     scale: float | None = None, softcap: float | None = None,
                     alibi_slopes: Any = None, sinks: Any = None, attn_mask: Any = None,
+                    mask_mod: Any = None, score_mod: Any = None, score: Score | None = None,
                     engine: str = "auto", check_finite: bool = True) -> DecodePlan:
         """Decode steps of ``q``'s shape, planned once (collective): a
         :class:`~mpiattn.inference.decode.DecodePlan` whose calls ``plan(q, attn_mask=None)``
@@ -341,7 +350,8 @@ class KVCache:
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
                         softcap=softcap, engine=engine, check_finite=check_finite)
         return DecodePlan(self.comm, self.shard, lambda: self.length, q, settings,
-                          {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask})
+                          Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
+                                   mask_mod=mask_mod, score_mod=score_mod))
 
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
                 window: Any = None, scale: float | None = None, softcap: float | None = None,
@@ -386,9 +396,9 @@ class KVCache:
         options = dict(window=window, scale=scale, softcap=softcap, engine=engine,
                        check_finite=check_finite)
         kept: dict = {}
-        scores = {"alibi_slopes": alibi_slopes, "sinks": sinks, "attn_mask": attn_mask}
+        score = Score.of(alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask)
         got = c.agree(lambda: chunk_checks(s, self.length, q, k, v, options, layout, variant,
-                                           machine, scores, kept), call="KVCache.prefill")
+                                           machine, score, kept), call="KVCache.prefill")
         with errors.alike():
             counts = [g["_n"] for g in got]
             C = sum(counts)
@@ -405,14 +415,13 @@ class KVCache:
                 chosen, reason = ch.variant, ch.reason
         chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
         if chosen == "pass-kv":
-            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options,
-                               kept.get("alibi"), kept.get("sinks"), kept["attn_mask"])
+            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options, score)
         else:
             prepare(c, q, k, v)
             with c.abort_on_error():
                 out, lse = pass_q(c, s, self.length, q, k, v, chunk_pos, counts,
                                   engines.get(got[0]["_engine"][0]), got[0]["_spec"], check_finite,
-                                  kept.get("alibi"), kept.get("sinks"), kept["attn_mask"])
+                                  kept["score"])
         if details is not None:
             details.update({"variant": chosen, "reason": reason})
         if append:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -32,8 +33,9 @@ from ..comm import errors
 from ..comm.core import Comm
 from ..comm.device import prepare
 from ..kernels import engines
-from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes, mask_kind
-from ..masks.sinks import add_sinks, check_sinks
+from ..masks.modifiers import check_attn_mask, mask_kind
+from ..masks.score import Checked, Score, agree_answers
+from ..masks.sinks import add_sinks
 from ..strategies import model
 from ..strategies.machines import Machine
 from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
@@ -71,8 +73,9 @@ def step_spec(shard: Shard, length: int, q: Any, options: Options, **modifiers: 
                                      q.dtype, o, device=backend.array_module(q).__name__, **modifiers)
 
 
-def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> dict:
-    """This rank's checks of a step (inside the validation allgather: errors are agreed)."""
+def _local(shard: Shard, length: int, q: Any, settings: dict, score: Score, kept: dict) -> dict:
+    """This rank's checks of a step (inside the validation allgather: errors are agreed); the
+    checked score modifiers go into ``kept["score"]`` (functions stay on their rank)."""
     options = Options.of(None, **settings)
     if options.engine not in engines.NAMES:
         raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
@@ -96,22 +99,18 @@ def _local(shard: Shard, length: int, q: Any, settings: dict, scores: dict) -> d
         raise ValueError("q holds no new token (t = 0)")
     if options.check_finite and not bool(xp.isfinite(q).all()):
         raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
-    slopes = None if scores.get("alibi_slopes") is None else check_slopes(scores["alibi_slopes"], B, H)
-    sinks = None if scores.get("sinks") is None else check_sinks(scores["sinks"], H)
-    mask = None if scores.get("attn_mask") is None else check_attn_mask(scores["attn_mask"], B, H, t)
-    if mask is not None and mask.shape[3] != length:
+    checked = kept["score"] = Score.of(score, softcap=options.softcap,
+                                       max_logit=options.max_logit).checked(B, H, t, "replicated")
+    if checked.max_logit:
+        raise ValueError("max_logit is not reported by a decode step")
+    if checked.mask_keys not in (None, length):
         raise ValueError(f"attn_mask must span the whole cache: its last axis must be {length} "
-                         f"(the cache's length, the new tokens' keys appended), got {mask.shape[3]}")
-    kind = mask_kind(mask)
-    spec = step_spec(shard, length, q, options, alibi=slopes is not None, sinks=sinks is not None,
-                     attn_mask=kind)
+                         f"(the cache's length, the new tokens' keys appended), got {checked.mask_keys}")
+    options = replace(options, softcap=checked.softcap)
+    spec = step_spec(shard, length, q, options, **checked.flags())
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
-            "q's values (CRC-32)": checksum(q), **options.by_field(),
-            "alibi_slopes (CRC-32)": None if slopes is None else checksum(slopes),
-            "sinks (CRC-32)": None if sinks is None else checksum(sinks),
-            "attn_mask (CRC-32)": None if mask is None else checksum(mask),
-            "_spec": spec, "_engine": engines.local_choice(options.engine, spec),
-            "_alibi": slopes, "_sinks": sinks, "_mask": mask}
+            "q's values (CRC-32)": checksum(q), **options.by_field(), **checked.agreement(),
+            "_spec": spec, "_engine": engines.local_choice(options.engine, spec)}
 
 
 class DecodePlan:
@@ -134,18 +133,20 @@ class DecodePlan:
     """
 
     def __init__(self, c: Comm, shard: Shard, length_of: Callable[[], int], q: Any, settings: dict,
-                 scores: dict | None = None, call: str = "KVCache.plan_attend"):
-        scores = scores or {}
-        got = c.agree(lambda: _local(shard, length_of(), q, dict(settings), scores), call=call)
+                 score: Score | None = None, call: str = "KVCache.plan_attend"):
+        length = length_of()
+        kept: dict = {}
+        got = c.agree(lambda: _local(shard, length, q, dict(settings), score or Score(), kept),
+                      call=call)
+        self._score: Checked = kept["score"]
+        self._spec: AttentionSpec = got[0]["_spec"]
         with errors.alike():
             engines.agreed_choice([g["_engine"] for g in got], settings.get("engine"))
-        mine = got[c.rank]
+            agree_answers(c, self._score, self._spec.N, length, length - self._spec.N, call)
         self.comm, self.shard, self._length_of = c, shard, length_of
         self.shape, self.dtype = tuple(q.shape), q.dtype
         self.engine = got[0]["_engine"][0]
-        self._spec: AttentionSpec = got[0]["_spec"]
-        self._alibi, self._sinks, self._mask = mine["_alibi"], mine["_sinks"], mine["_mask"]
-        self._mask_kind = mask_kind(self._mask)
+        self._mask_kind = mask_kind(self._score.attn_mask)
 
     def __repr__(self) -> str:
         return (f"DecodePlan(shape={self.shape}, dtype={self.dtype}, engine={self.engine!r}, "
@@ -191,30 +192,26 @@ class DecodePlan:
         """The step on queries known to fit (no check); ``mask`` checked, or the plan's own."""
         c = self.comm
         spec = self._spec
+        score = self._score if mask is None else self._score.with_mask(mask)
         if spec.M != length:
-            spec = step_spec(self.shard, length, q, spec.options, alibi=spec.mask.alibi,
-                             sinks=spec.mask.sinks, attn_mask=self._mask_kind)
-        mask = self._mask if mask is None else mask
+            spec = step_spec(self.shard, length, q, spec.options, **score.flags())
         engine = engines.get(self.engine)
         prepare(c, q)
         t = spec.N
-        mods = None
-        if spec.mask.softcap is not None or spec.mask.alibi or mask is not None:
-            mods = Modifiers(spec.mask.softcap, self._alibi, mask, B=spec.B, H=spec.H)
         attend = step_attend(engine, spec, np.arange(length - t, length), spec.options.check_finite,
-                             mods)
+                             score.modifiers())
         with c.abort_on_error():
             o, lse, blocks = partial_attention(attend, q, self.shard.views())
             o, lse = tree_merge(c, o, lse)
-            if spec.mask.sinks:  # the merged rows, the same on every rank
-                o, lse = add_sinks(o, lse, self._sinks)
+            if score.sinks is not None:  # the merged rows, the same on every rank
+                o, lse = add_sinks(o, lse, score.sinks)
         if used is not None:
             used.update(Step(engine.name, blocks, int(lse.size) * (spec.Ev + 1)).as_dict())
         return o.astype(spec.dtype, copy=False), lse
 
 
 def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
-           used: dict | None = None, scores: dict | None = None) -> tuple[Any, Any]:
+           used: dict | None = None, score: Score | None = None) -> tuple[Any, Any]:
     """One decode step (see the module docstring); collective on ``c``: a :class:`DecodePlan`
     made for it and run once.
 
@@ -232,10 +229,10 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
         default; False), ``window``, ``scale``, ``engine``, ``check_finite``.
     used : dict, optional
         Filled with :meth:`Step.as_dict`.
-    scores : dict, optional
-        ``alibi_slopes`` ``(H,)`` or ``(B, H)``, ``sinks`` ``(H,)`` and ``attn_mask``
-        ``(B or 1, H or 1, t, M)`` (its key axis the cache's absolute positions) (None: not used),
-        the same on every rank; ``settings`` may hold ``softcap``.
+    score : Score, optional
+        The score modifiers (:class:`mpiattn.Score`: an ``attn_mask`` ``(B or 1, H or 1, t, M)``
+        with its key axis the cache's absolute positions), the same on every rank; ``settings``
+        may hold ``softcap``.
 
     Returns
     -------
@@ -248,7 +245,7 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     ValueError, TypeError
         On every rank alike (marked :class:`mpiattn.comm.errors.Agreed`).
     """
-    plan = DecodePlan(c, shard, lambda: length, q, settings, scores, call="KVCache.attend")
+    plan = DecodePlan(c, shard, lambda: length, q, settings, score, call="KVCache.attend")
     return plan.run(q, length, None, used)
 
 
@@ -268,7 +265,7 @@ def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: i
     dict
         ``compute_s``, ``read_s``, ``merge_s``, ``step_s`` (seconds) and ``merge_bytes``.
     """
-    acc = 8 if itemsize == 8 else 4
+    acc = model.accum_bytes(itemsize)
     flops = model.flops_per_pair(B, H, E, Ev) * t * M / P
     read = M / P * B * Hkv * (E + Ev) * itemsize
     steps = 2 * math.ceil(math.log2(P)) if P > 1 else 0

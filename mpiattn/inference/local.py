@@ -35,8 +35,7 @@ def step_attend(engine: Engine, spec: AttentionSpec, q_pos: np.ndarray, finite: 
     """The blocked runner's view of queries at absolute positions ``q_pos`` of the call ``spec``
     (its rules, scale and value dim; key/value blocks then come at absolute positions);
     ``mods``: its softcap and ALiBi slopes (distances between absolute positions)."""
-    call = KernelCall(spec.Hkv, spec.Ev, spec.scale, spec.acc_dtype, spec.tile or DEFAULT_TILE,
-                      finite)
+    call = KernelCall.of(spec, tile=spec.tile or DEFAULT_TILE, finite=finite)
     return Attend(engine, call, MaskSpec(spec.mask.causal, spec.mask.window),
                   QuerySide(np.asarray(q_pos, dtype=np.int64), mods=mods,
                             heads=None if mods is None else np.arange(spec.H)))

@@ -43,14 +43,14 @@ from ..comm.core import Comm
 from ..kernels import engines
 from ..kernels.engine import Engine
 from ..layouts import Layout
-from ..masks.modifiers import Modifiers, check_attn_mask, check_slopes, mask_kind
-from ..masks.sinks import add_sinks, check_sinks
+from ..masks.score import Checked, Score
+from ..masks.sinks import add_sinks
 from ..strategies.api import attention
 from ..strategies import machines, model
 from ..strategies.machines import Machine
 from ..strategies.ring import Ring
 from ..strategies.spec import AttentionSpec, Options
-from .decode import checksum, step_spec
+from .decode import step_spec
 from .local import partial_attention, step_attend
 from .merge import merge
 from .shard import Shard
@@ -94,7 +94,7 @@ def choose(P: int, C: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, it
     """
     if P == 1:
         return Choice("pass-q", 0.0, 0.0, 0.0, 0.0)
-    acc = 8 if itemsize == 8 else 4
+    acc = model.accum_bytes(itemsize)
     compute = model.compute_time(flops(C, M, B, H, E, Ev) / P, machine, rate_dtype)
     kv_bytes = (P - 1) * math.ceil((M + C) / P) * B * Hkv * (E + Ev) * itemsize
     rows = math.ceil(C / P)
@@ -116,16 +116,15 @@ def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
 
 
 def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
-            layout: Any, options: dict, alibi: Any = None, sinks: Any = None,
-            attn_mask: Any = None) -> tuple[Any, Any]:
+            layout: Any, options: dict, score: Score | None = None) -> tuple[Any, Any]:
     """pass-KV (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``chunk_pos`` are this rank's chunk rows (``0 .. C - 1``, local order by
     ``layout``); ``options`` the :class:`mpiattn.Options` fields to pass on
-    (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``alibi``,
-    ``sinks``: the slopes and sinks, or None (the bottom-right diagonal ``length`` makes ALiBi's
-    distance that of absolute positions); ``attn_mask``: this rank's query rows of a mask whose
-    key axis is the absolute positions (the keys' global order here), or None.
+    (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``score``:
+    the score modifiers as given (the bottom-right diagonal ``length`` makes ALiBi's distance
+    that of absolute positions; an ``attn_mask`` holds this rank's query rows, its key axis the
+    absolute positions, the keys' global order here).
     """
     xp = shard.xp
     kc, vc, pc = shard.whole()
@@ -135,19 +134,18 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
     kv_layout = Layout(c.allgather_obj(runs_of(pos)))
     causal = "bottom-right" if options.get("causal", True) else False
     return attention(q, keys, values, c, layout=layout, kv_layout=kv_layout, strategy=Ring.name,
-                     alibi_slopes=alibi, sinks=sinks, attn_mask=attn_mask,
-                     **{**options, "causal": causal})
+                     score=score, **{**options, "causal": causal})
 
 
 def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos: np.ndarray,
            counts: list, engine: Engine, spec: AttentionSpec, finite: bool = True,
-           alibi: Any = None, sinks: Any = None, attn_mask: Any = None) -> tuple[Any, Any]:
+           score: Checked | None = None) -> tuple[Any, Any]:
     """pass-Q (module docstring): ``(out (B, H, c_r, Ev), lse (B, H, c_r))`` for this rank's queries.
 
     ``counts[r]`` is rank ``r``'s number of chunk rows; ``spec`` the call of
-    the chunk against the cache (its rules, scale, value dim and softcap); ``alibi``,
-    ``sinks``: the slopes and sinks, or None; ``attn_mask``: this rank's query rows of a mask
-    over absolute key positions (host array), gathered with the queries, or None.
+    the chunk against the cache (its rules, scale and value dim); ``score``: the checked score
+    modifiers (an ``attn_mask`` of this rank's query rows over absolute key positions,
+    gathered with the queries).
     """
     xp = backend.array_module(q)
     B, H, n, E = q.shape
@@ -160,13 +158,12 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
     all_pos = c.allgather_obj(chunk_pos) if P > 1 else [chunk_pos]
     q_pos = length + np.concatenate(all_pos).astype(np.int64)
     blocks = list(shard.views()) + ([(k, v, length + chunk_pos)] if n else [])
-    mods = None
-    if attn_mask is not None and P > 1:  # every rank's rows, in rank order as the queries
-        m = np.ascontiguousarray(np.moveaxis(attn_mask, 2, 0))
-        attn_mask = np.moveaxis(c.allgatherv_rows(m, counts), 0, 2)
-    if spec.mask.softcap is not None or alibi is not None or attn_mask is not None:
-        mods = Modifiers(spec.mask.softcap, alibi, attn_mask, B=B, H=H)
-    o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite, mods), Q, blocks)
+    score = score if score is not None else Score().checked(B, H, n)
+    if score.attn_mask is not None and P > 1:  # every rank's rows, in rank order as the queries
+        m = np.ascontiguousarray(np.moveaxis(score.attn_mask, 2, 0))
+        score = score.with_mask(np.moveaxis(c.allgatherv_rows(m, counts), 0, 2))
+    o, lse, _ = partial_attention(step_attend(engine, spec, q_pos, finite, score.modifiers()), Q,
+                                  blocks)
     C = q_pos.size
     buf = xp.empty((C, B, H, Ev + 1), dtype=acc)
     buf[..., 0] = xp.moveaxis(lse, 2, 0)
@@ -178,19 +175,20 @@ def pass_q(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_pos
         out_o, out_l = merge(out_o, out_l, parts[s, ..., 1:], parts[s, ..., 0])
     out = xp.ascontiguousarray(xp.moveaxis(out_o, 0, 2))
     out_l = xp.ascontiguousarray(xp.moveaxis(out_l, 0, 2))
-    if sinks is not None:  # the merged rows, at their owner
-        out, out_l = add_sinks(out, out_l, sinks)
+    if score.sinks is not None:  # the merged rows, at their owner
+        out, out_l = add_sinks(out, out_l, score.sinks)
     return out.astype(q.dtype, copy=False), out_l
 
 
 def chunk_checks(s: Shard, length: int, q: Any, k: Any, v: Any, options: dict, layout: Any,
-                 variant: str, machine: str | None, scores: dict, kept: dict) -> dict:
+                 variant: str, machine: str | None, score: Score, kept: dict) -> dict:
     """This rank's checks of a chunk of :meth:`mpiattn.inference.KVCache.prefill` (local; inside
     its agreement: errors are agreed), against the cache's rows ``s`` of ``length`` positions.
 
-    ``scores`` holds the call's ``alibi_slopes``, ``sinks`` and ``attn_mask``; their checked
-    forms are put in ``kept`` (``alibi``, ``sinks``, ``attn_mask``). Returns the fields the ranks
-    agree on (names starting with ``_`` are not compared).
+    ``score`` holds the call's score modifiers (an ``attn_mask`` of this rank's chunk rows);
+    the checked form is put in ``kept["score"]``
+    (:class:`~mpiattn.masks.score.Checked`). Returns the fields the ranks agree on (names
+    starting with ``_`` are not compared).
     """
     o = Options.of(None, **options, layout=layout)
     if variant not in VARIANTS:
@@ -210,19 +208,9 @@ def chunk_checks(s: Shard, length: int, q: Any, k: Any, v: Any, options: dict, l
                          f"multiple of {s.Hkv} and the rows the same")
     name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
     H = int(q.shape[1])
-    if scores.get("alibi_slopes") is not None:
-        kept["alibi"] = check_slopes(scores["alibi_slopes"], s.B, H)
-    if scores.get("sinks") is not None:
-        kept["sinks"] = check_sinks(scores["sinks"], H)
-    mask = scores.get("attn_mask")
-    mask = kept["attn_mask"] = None if mask is None else check_attn_mask(mask, s.B, H, q.shape[2])
-    kind = mask_kind(mask)
-    spec = step_spec(s, length + q.shape[2], q, Options.of(o, causal=True),
-                     alibi="alibi" in kept, sinks="sinks" in kept, attn_mask=kind)
+    checked = kept["score"] = Score.of(score, softcap=o.softcap).checked(s.B, H, int(q.shape[2]))
+    spec = step_spec(s, length + q.shape[2], q, Options.of(o, causal=True), **checked.flags())
     return {"q's heads": H, **o.by_field(), "variant": variant,
-            "machine": name, "_n": int(q.shape[2]), "_spec": spec,
-            "alibi_slopes (CRC-32)": checksum(kept["alibi"]) if "alibi" in kept else None,
-            "sinks (CRC-32)": checksum(kept["sinks"]) if "sinks" in kept else None,
-            "attn_mask (kind, batch, heads)": None if mask is None else (kind, *mask.shape[:2]),
-            "_keys": None if mask is None else mask.shape[3],
+            "machine": name, "_n": int(q.shape[2]), "_spec": spec, **checked.agreement(),
+            "_keys": checked.mask_keys,
             "_engine": engines.local_choice(options.get("engine", "auto"), spec)}

@@ -11,6 +11,7 @@ threaded through the callers: an engine reads the fields it uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -52,3 +53,12 @@ class KernelCall:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "acc_dtype", np.dtype(self.acc_dtype))
+
+    @classmethod
+    def of(cls, spec: Any, *, tile: int, finite: bool, heads: int = 1) -> "KernelCall":
+        """The pass of the call ``spec`` (a :class:`mpiattn.strategies.spec.AttentionSpec`: its
+        heads, value dim, scale, accumulation dtype and ``max_logit``) with score tiles of
+        ``tile`` rows; ``heads``: the ranks its key/value heads are shared among (a
+        head-sharded strategy). The one place a KernelCall is made."""
+        return cls(hkv=spec.Hkv // heads, ev=spec.Ev, scale=spec.scale, acc_dtype=spec.acc_dtype,
+                   tile=tile, finite=finite, max_logit=spec.mask.max_logit)

@@ -3,6 +3,9 @@
 ``spec``
     :class:`MaskSpec`, the rules of a call (causal, window, documents,
     padding), the modifiers it uses, and their checks;
+``score``
+    :class:`~mpiattn.masks.score.Score`: every score modifier of a call as one object, checked
+    and agreed by one rule;
 ``modifiers``
     :class:`Modifiers`: softcap, ALiBi, ``attn_mask``, ``mask_mod`` (one rank's arrays);
 ``maskmod``
@@ -12,6 +15,8 @@
 ``softcap``
     :class:`~mpiattn.masks.softcap.Softcap`, the one score transform ``c tanh(x / c)``: its
     formula and chain rule, which every kernel calls;
+``scoremod``, ``temperature``
+    a user's transform (``ScoreMod``) and a per-head temperature, the other transforms;
 ``sinks``
     learnable sinks, added to each merged row, and their gradient;
 ``tiles``

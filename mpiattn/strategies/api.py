@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.core import get_comm
+from ..masks.score import Score
 from .base import Progress
 from .plan import backward_problem, plan_attention
 from .problem import validate
@@ -28,8 +29,8 @@ __all__ = ["attention", "attention_backward"]
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
               segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
               mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
-              sinks: Any = None, progress: Progress = None, details: dict | None = None,
-              **options: Any) -> tuple[Any, Any]:
+              sinks: Any = None, score: Score | None = None, progress: Progress = None,
+              details: dict | None = None, **options: Any) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
     ``out[i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over the keys ``j``
@@ -143,7 +144,7 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     plan = plan_attention(q, k, v, comm, key_padding_mask=key_padding_mask,
                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                           attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
-                          alibi_slopes=alibi_slopes, sinks=sinks, **options)
+                          alibi_slopes=alibi_slopes, sinks=sinks, score=score, **options)
     if details is not None:
         details.update(plan.details())
     return plan.run_forward(q, k, v, key_padding_mask, progress, details=details)
@@ -153,7 +154,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
                        key_padding_mask: Any = None, segment_ids: Any = None,
                        kv_segment_ids: Any = None, attn_mask: Any = None, mask_mod: Any = None,
                        score_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
-                       progress: Progress = None,
+                       score: Score | None = None, progress: Progress = None,
                        details: dict | None = None, **options: Any) -> tuple:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
@@ -170,7 +171,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     comm, key_padding_mask, segment_ids, kv_segment_ids, progress, details, **options
         As in :func:`attention`; pass the same values as to the forward call
         (the engine may differ: the gradients only need ``out`` and ``lse``).
-    attn_mask, mask_mod, score_mod, alibi_slopes, sinks
+    attn_mask, mask_mod, score_mod, alibi_slopes, sinks, score
         As in :func:`attention` (the same values as the forward call's; ``score_mod`` with its
         derivative: a ``ScoreMod(fn, grad)``).
 
@@ -203,8 +204,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse}, options,
                   segment_ids, kv_segment_ids,
-                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "score_mod": score_mod,
-                   "alibi_slopes": alibi_slopes, "sinks": sinks})
+                  Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
+                           alibi_slopes=alibi_slopes, sinks=sinks))
     if details is not None:
         details.update(pb.details())
     return backward_problem(c, pb, dout, q, k, v, out, lse, key_padding_mask, progress)

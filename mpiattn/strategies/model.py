@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import backend
 from ..layouts import all_segments
 from .base import Phase, Strategy
 from .machines import Machine
@@ -165,6 +166,13 @@ def flops_per_pair(B: int, H: int, E: int, Ev: int) -> float:
     """Forward FLOPs of one visible (query, key) pair over the batch and the heads: the two
     products' ``2 B H (E + Ev)``."""
     return 2.0 * B * H * (E + Ev)
+
+
+def accum_bytes(itemsize: int) -> int:
+    """Bytes of one accumulation word of inputs of ``itemsize`` bytes
+    (:func:`mpiattn.backend.accum_dtype`: float64 for float64, else float32): what partial
+    results (``o``, ``lse``) travel in."""
+    return backend.accum_dtype(np.dtype(f"f{int(itemsize)}")).itemsize
 
 
 def compute_time(flops: float, machine: Machine, rate_dtype: Any, read_bytes: float = 0.0) -> float:

@@ -27,6 +27,7 @@ import numpy as np
 from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
+from ..masks.score import Score
 from ..masks.sinks import add_sinks, check_sinks, sink_gradient
 from .base import Progress
 from .problem import Problem, validate
@@ -226,7 +227,7 @@ def backward_problem(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, ou
 def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
                    segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
                    mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
-                   sinks: Any = None, **options: Any) -> AttentionPlan:
+                   sinks: Any = None, score: Score | None = None, **options: Any) -> AttentionPlan:
     """Validate, agree and plan an attention call once (collective); see the module docstring.
 
     Parameters
@@ -243,6 +244,8 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
         Score modifiers (as :func:`mpiattn.attention`): part of the plan.
     sinks : array (H,), optional
         The sinks; a call may pass new values (``forward(..., sinks=)``), e.g. a training step's.
+    score : mpiattn.Score, optional
+        The score modifiers as one object (as :func:`mpiattn.attention`).
     **options
         :class:`mpiattn.Options` fields, or ``options=``.
 
@@ -267,8 +270,8 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
     """
     c = get_comm(comm)
     pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids,
-                  {"attn_mask": attn_mask, "mask_mod": mask_mod, "score_mod": score_mod,
-                   "alibi_slopes": alibi_slopes, "sinks": sinks})
+                  Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
+                           alibi_slopes=alibi_slopes, sinks=sinks))
     B, H, n, _ = q.shape
     shapes = {"q": (tuple(q.shape), q.dtype), "k": (tuple(k.shape), k.dtype),
               "v": (tuple(v.shape), v.dtype), "dout": ((B, H, n, v.shape[3]), q.dtype),

@@ -27,11 +27,8 @@ from ..layouts import Layout, all_segments, check_shares, describe, layout_key, 
 from ..masks import QuerySide, diagonal
 from ..masks.counts import key_step_for, visible_keys
 from ..masks.ids import global_rows, local_ids
-from ..masks import fingerprint
-from ..masks.maskmod import MaskMod
-from ..masks.modifiers import ENGINE_MODIFIERS, Modifiers, check_attn_mask, check_mask_mod, check_slopes, mask_kind
-from ..masks.scoremod import check_score_mod
-from ..masks.sinks import check_sinks
+from ..masks.modifiers import Modifiers
+from ..masks.score import Checked, Score, agree_answers
 from . import machines, registry
 from .base import Strategy
 from .blocked import Attend
@@ -106,9 +103,7 @@ class Problem:
     def kernel_call(self, heads: int = 1) -> KernelCall:
         """What the engine is told of this call; ``heads``: the ranks its key/value heads are
         shared among (a head-sharded strategy)."""
-        s = self.spec
-        return KernelCall(s.Hkv // heads, s.Ev, s.scale, s.acc_dtype, self.tile, self.finite,
-                          s.mask.max_logit)
+        return KernelCall.of(self.spec, tile=self.tile, finite=self.finite, heads=heads)
 
     def attend(self, queries: QuerySide | None = None, heads: int = 1) -> Attend:
         """This rank's side of the call for the blocked runner (:mod:`mpiattn.strategies.blocked`):
@@ -168,34 +163,11 @@ def _check_arrays(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any]) -> A
     return xp
 
 
-def _scores(scores: dict, B: int, H: int, n: int, kept: dict) -> dict:
-    """The score modifiers' arrays checked (local); their host forms go into ``kept``; returns the
-    fields the ranks must agree on (presence, the slopes' and sinks' values, the mask's kind)."""
-    agreed: dict = {}
-    if scores.get("alibi_slopes") is not None:
-        kept["alibi"] = check_slopes(scores["alibi_slopes"], B, H)
-        agreed["alibi_slopes"] = tuple(map(float, kept["alibi"].ravel()))
-    if scores.get("sinks") is not None:
-        kept["sinks"] = check_sinks(scores["sinks"], H)
-        agreed["sinks"] = tuple(map(float, kept["sinks"]))
-    if scores.get("attn_mask") is not None:
-        kept["attn_mask"] = check_attn_mask(scores["attn_mask"], B, H, n)
-        a = kept["attn_mask"]
-        agreed["attn_mask (kind, batch, heads)"] = (mask_kind(a),
-                                                    a.shape[0], a.shape[1])
-    if scores.get("mask_mod") is not None:
-        fn = kept["mask_mod"] = check_mask_mod(scores["mask_mod"], B, H)
-        agreed["_mask_mod"] = fingerprint.identity(fn)
-    if scores.get("score_mod") is not None:
-        kept["score_mod"] = check_score_mod(scores["score_mod"])
-        agreed["score_mod (its code and captured values)"] = fingerprint.identity(kept["score_mod"])
-    return agreed
-
-
 def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: dict,
-           segment_ids: Any, kv_segment_ids: Any, ids: dict, scores: dict) -> dict:
+           segment_ids: Any, kv_segment_ids: Any, ids: dict, score: Score) -> dict:
     """This rank's view of the call (inside the validation allgather: errors are agreed)."""
     options = Options.of(settings.pop("options", None), **settings)
+    score = Score.of(score, softcap=options.softcap, max_logit=options.max_logit)
     if options.strategy != "auto":
         registry.get(options.strategy)  # an unknown name or configuration raises here
     if options.engine not in engines.NAMES:
@@ -213,24 +185,15 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
         ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
     if kv_segment_ids is not None:
         ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
-    kept: dict = {}
-    agreed = _scores(scores, B, H, n, kept)
-    ids["scores"] = kept
-    if "score_mod" in kept and options.softcap is not None:
-        raise ValueError("softcap and score_mod are both score transforms: give one (a score_mod "
-                         "may cap its own result: c * tanh(f(x) / c))")
-    if "dout" in extra and "score_mod" in kept and not getattr(kept["score_mod"], "differentiable", True):
+    checked = ids["score"] = score.checked(B, H, n)
+    options = replace(options, softcap=checked.softcap, max_logit=checked.max_logit)
+    if "dout" in extra and checked.score_mod is not None and not getattr(
+            checked.score_mod, "differentiable", True):
         raise ValueError("score_mod has no derivative: a backward needs mpiattn.ScoreMod(fn, grad), "
                          "grad(score, b, h, q_idx, kv_idx) = d fn / d score")
-    am = kept.get("attn_mask")
     here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
                                      padding=mask is not None, segments=segment_ids is not None,
-                                     kv_segments=kv_segment_ids is not None,
-                                     alibi="alibi" in kept,
-                                     attn_mask=None if am is None else agreed[
-                                         "attn_mask (kind, batch, heads)"][0],
-                                     mask_mod="mask_mod" in kept, sinks="sinks" in kept,
-                                     score_mod="score_mod" in kept)
+                                     kv_segments=kv_segment_ids is not None, **checked.flags())
     mask_spec = here.mask
     machine = None
     if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
@@ -241,10 +204,7 @@ def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: d
                 mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
             "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
                 None if machine is None else {**machine.to_dict(), "sources": None}),
-            "mask_mod (a named rule's text; a function's module, name, and a CRC-32 of its code "
-            "and captured values)": agreed.pop("_mask_mod", None),
-            "score modifiers": agreed, "_mask_keys": None if am is None else am.shape[3],
-            "_mask_hides": am is not None and Modifiers(attn_mask=am).hides,
+            **checked.agreement(), "_mask_keys": checked.mask_keys, "_hides": checked.hides,
             "_n": n, "_m": m, "_spec": here, "_machine": machine,
             "_engine": (choice := engines.local_choice(options.engine, here)),
             "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
@@ -281,19 +241,19 @@ def _visible_pairs(c: Comm, spec: AttentionSpec, mods: Modifiers) -> np.ndarray:
 # --------------------------------------------------------------- the call
 def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
              settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None,
-             scores: dict | None = None) -> Problem:
+             score: Score | None = None) -> Problem:
     """Check a call on every rank (one metadata allgather) and plan it: its :class:`Problem`.
 
     ``settings`` are the :class:`Options` keywords (and ``options``) the
-    caller passed; ``scores`` the score modifiers' arrays (``alibi_slopes``, ``sinks``,
-    ``attn_mask``, ``mask_mod``; None or absent: not used). Raises the same (:class:`mpiattn.comm.errors.Agreed`)
+    caller passed; ``score`` the score modifiers (:class:`mpiattn.masks.score.Score`; a softcap
+    or max_logit among the options joins it). Raises the same (:class:`mpiattn.comm.errors.Agreed`)
     ValueError/TypeError on every rank when any rank's arguments are bad or
     the ranks disagree; then chooses the device transport for CuPy arrays
     and gathers the document ids (collective points every rank reaches).
     """
     ids: dict = {}
     got = c.agree(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
-                                 kv_segment_ids, ids, scores or {}),
+                                 kv_segment_ids, ids, score or Score()),
                   call="attention_backward" if "dout" in extra else "attention")
     with errors.alike():  # from here on every rank decides on the same gathered data
         here: AttentionSpec = got[0]["_spec"]
@@ -319,27 +279,12 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)
-        kept = ids["scores"]
-        mods = None
-        if any(m in spec.mask.modifiers for m in ENGINE_MODIFIERS):
-            mods = Modifiers(options.softcap, kept.get("alibi"), kept.get("attn_mask"),
-                             kept.get("mask_mod"), kept.get("score_mod"), spec.B, spec.H)
-        fn = kept.get("mask_mod")
-        if fn is not None and not isinstance(fn, MaskMod):  # a plain function: its answers too
-            c.agree(lambda: {"mask_mod's answers on a fixed sample of pairs (CRC-32)":
-                             fingerprint.answers(fn, spec.B, spec.H, N, M, spec.mask.diagonal)},
-                    call="attention's mask_mod")
-        if "score_mod" in kept:  # its answers, equal to a tolerance on every rank
-            said = c.allgather_checked(lambda: fingerprint.score_answers(
-                kept["score_mod"], spec.B, spec.H, N, M, spec.mask.diagonal), call="attention's score_mod")
-            bad = [r for r, a in enumerate(said) if not fingerprint.same_answers(a, said[0])]
-            if bad:
-                raise ValueError(f"ranks disagree on score_mod's answers on a fixed sample of scores "
-                                 f"and pairs (to a relative 1e-6): rank {bad[0]}'s differ from rank "
-                                 "0's (one function on every rank, reading the same values?)")
+        checked: Checked = ids["score"]
+        mods = checked.modifiers()
+        agree_answers(c, checked, N, M, spec.mask.diagonal, "attention")
         # whether some pair is hidden: from every rank's rows (a float attn_mask may hold -inf
         # on some ranks only), so that every rank counts the pairs, or none does
-        hides = fn is not None or any(g["_mask_hides"] for g in got)
+        hides = any(g["_hides"] for g in got)
         pairs = None
         if registry.needs_choice(options.strategy) and hides:
             pairs = _visible_pairs(c, spec, mods)
@@ -352,4 +297,4 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
     return Problem(spec, c.size, c.rank, strategy, engine, int(block),
                    int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
-                   engine_reason, seg_q, seg_k, mods, kept.get("sinks"))
+                   engine_reason, seg_q, seg_k, mods, checked.sinks)

@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import products
 from ..comm.core import Comm, get_comm
+from ..masks.score import Score
 from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
@@ -38,9 +39,9 @@ __all__ = ["attention", "plan_for", "matmul_nt", "matmul_nn", "matmul_tn"]
 
 
 def _agree(c: Comm, call: str, operands: dict[str, Any], extra: dict[str, Any] | None = None,
-           flags: dict | None = None) -> dict:
+           flags: dict | None = None, score: Score | None = None) -> dict:
     """Check the tensors on every rank (one allgather, the call ``call``); returns the extra
-    arguments as arrays.
+    arguments as arrays (and ``score``, its tensors made arrays, as ``"score"``).
 
     ``flags`` are further facts every rank must share (e.g. ``return_lse``).
     """
@@ -48,7 +49,10 @@ def _agree(c: Comm, call: str, operands: dict[str, Any], extra: dict[str, Any] |
 
     def local() -> dict:
         check_operands(operands)
-        got.update(check_extra(extra or {}, next(iter(operands.values())).device))
+        device = next(iter(operands.values())).device
+        got.update(check_extra(extra or {}, device))
+        if score is not None:
+            got["score"] = score.map_arrays(lambda name, x: check_extra({name: x}, device)[name])
         return {**facts(operands), **(flags or {})}
 
     c.agree(local, call=f"mpiattn.torch.{call}")
@@ -66,6 +70,7 @@ class _Call:
     lse_grad: bool = False
     plan: Any = None  # an AttentionPlan every rank's arrays fit (checked already)
     sinks: Any = None  # (H,) float64 host: the sinks' values (their tensor is an autograd input)
+    mod: Any = None  # the TorchScoreMod of a score_mod (its captured tensors: autograd inputs)
 
 
 class _Attention(torch.autograd.Function):
@@ -112,8 +117,8 @@ class _Attention(torch.autograd.Function):
                 dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
         if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
             v, dout, out = _with_lse_gradient(v, dout, out, dlse)
-        if call.keywords.get("score_mod") is not None:  # its captured tensors' gradients, anew
-            call.keywords["score_mod"].start_backward()
+        if call.mod is not None:  # its captured tensors' gradients, anew
+            call.mod.start_backward()
         with on_device(q.device):
             arrays = (to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
                       to_array(lse))
@@ -124,8 +129,7 @@ class _Attention(torch.autograd.Function):
                 grads = np_attention_backward(*arrays, call.comm, progress=call.progress,
                                               **call.keywords)
             dq, dk, dv = (to_tensor(g) for g in grads[:3])
-        mod = call.keywords.get("score_mod")
-        return (dq, dk, dv[..., :Ev], dsinks, None, *(() if mod is None else mod.gradients()))
+        return (dq, dk, dv[..., :Ev], dsinks, None, *(() if call.mod is None else call.mod.gradients()))
 
 
 def _sink_gradient(sinks: Any, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
@@ -260,13 +264,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     sinks_grad = bool(torch.is_grad_enabled() and sinks_t is not None and sinks_t.requires_grad)
     ids = _agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
                                                  "segment_ids": segment_ids,
-                                                 "kv_segment_ids": kv_segment_ids,
-                                                 "attn_mask": attn_mask, "mask_mod": mask_mod,
-                                                 "alibi_slopes": alibi_slopes},
+                                                 "kv_segment_ids": kv_segment_ids},
                  {"return_lse": bool(return_lse), "sinks (given, requires_grad)": (
                      sinks is not None, sinks_grad), "score_mod (given, tensors it captures that "
                      "require grad)": (mod is not None, 0 if mod is None else len(mod.params)),
-                  "a plan (planned=) beside a score_mod": planned is not None and mod is not None})
+                  "a plan (planned=) beside a score_mod": planned is not None and mod is not None},
+                 Score.of(attn_mask=attn_mask, mask_mod=mask_mod, alibi_slopes=alibi_slopes))
     lse_grad = bool(return_lse) and torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, *(() if sinks_t is None else (sinks_t,))))
     host = None
@@ -277,8 +280,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         if planned is not None:  # (agreed above: every rank raises alike)
             raise ValueError("mpiattn.torch.attention: a plan (planned=) does not take a score_mod; "
                              "call without planned=")
-        ids["score_mod"] = mod
-    call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host)
+        ids["score"] = Score.of(ids["score"], score_mod=mod)
+    call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host, mod)
     out, lse = _Attention.apply(q, k, v, sinks_t, call, *(() if mod is None else mod.params))
     return (out, lse) if return_lse else out
 

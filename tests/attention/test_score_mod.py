@@ -140,7 +140,7 @@ def test_a_score_mod_that_differs_between_ranks_is_refused(comm):
     q, k, v, _ = (mpiattn.shard(x) for x in data)
     table = TABLE * (1 + (comm.rank == comm.size - 1))  # the same code, another captured table
     mod = ScoreMod(lambda s, b, h, q, kv: s + table[h, q - kv + 100], lambda s, b, h, q, kv: np.ones_like(s))
-    with pytest.raises(ValueError, match="ranks disagree on score modifiers") as info:
+    with pytest.raises(ValueError, match=r"ranks disagree on score_mod \(its code and captured values\)") as info:
         mpiattn.attention(q, k, v, score_mod=mod)
     assert comm.allgather_obj(str(info.value)) == [str(info.value)] * comm.size
 

@@ -258,6 +258,50 @@ def test_decode_with_an_attn_mask(comm, kind):
         cache.attend(Q[:, :, -t:], attn_mask=mask[..., :-1])
 
 
+def test_decode_with_a_score_mod_and_a_mask_mod(comm):
+    """A user's score_mod (a relative-position bias table, a per-head temperature) and mask_mod
+    (every third key hidden from even queries) given absolute positions (query ``i`` at
+    ``L - t + i``), one-shot and planned, against the tests' float64 torch reference; the same
+    bits on every rank."""
+    from helpers import torch_reference, visible_matrix
+
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(12)
+    B, H, Hkv, L, t, E = 2, 4, 2, 31, 3, 8
+    Q = rng.standard_normal((B, H, L, E))
+    K, V = (rng.standard_normal((B, Hkv, L, E)) for _ in range(2))
+    table, temp = rng.standard_normal((H, 2 * L)), 0.5 + rng.random(H)
+    mod = mpiattn.ScoreMod(lambda x, b, h, i, j: x * temp[h] + table[h, i - j + L],
+                           lambda x, b, h, i, j: temp[h] + 0 * x)
+    rule = lambda b, h, i, j: (i % 2 == 1) | (j % 3 != 0)  # noqa: E731
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V), page=4)
+    out, lse = cache.attend(Q[:, :, -t:], score_mod=mod, mask_mod=rule, window=(20, 0))
+    i_abs, j = np.arange(L - t, L)[:, None], np.arange(L)[None, :]
+    vis = visible_matrix(B, t, L, "bottom-right", (20, 0))[:, None] & rule(0, 0, i_abs, j)
+    t_table, t_temp = torch.tensor(table), torch.tensor(temp)
+    ref = torch_reference(Q[:, :, -t:], K, V, np.zeros((B, H, t, E)), vis,
+                          score_mod=lambda x, b, h, i, j: x * t_temp[h] + t_table[h, i + L - t - j + L])
+    np.testing.assert_allclose(host(out), ref[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
+    _same_bits_everywhere(comm, out, lse)
+    plan = cache.plan_attend(Q[:, :, -t:], score=mpiattn.Score(score_mod=mod, mask_mod=rule),
+                             window=(20, 0))
+    got = plan(Q[:, :, -t:])
+    np.testing.assert_array_equal(host(got[0]), host(out))
+    with pytest.raises(ValueError, match="score_mod is given twice"):
+        cache.attend(Q[:, :, -t:], score=mpiattn.Score(score_mod=mod), score_mod=mod)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_decode_mask_mod_that_differs_between_ranks_is_refused(comm):
+    K = np.ones((1, 1, 4 * comm.size, 2))
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(K), page=4)
+    far = 1 + (comm.rank == 0)
+    with pytest.raises(ValueError, match="ranks disagree on mask_mod") as info:
+        cache.attend(np.ones((1, 1, 1, 2)), mask_mod=lambda b, h, i, j: j % (far + 1) == 0)
+    assert comm.allgather_obj(str(info.value)) == [str(info.value)] * comm.size
+
+
 # ------------------------------------------------------------------ planned decode steps
 def test_a_planned_decode_loop_is_the_last_rows_of_full_attention(comm, xp):
     """KVCache.plan_attend once, then append + step: each step against the float64 reference of
