@@ -31,7 +31,7 @@ from ..io.naming import NEW, Rule
 from ..io.publishing import Outputs
 from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
-from ..masks.score import Score
+from ..masks.score import Score, agree_answers
 from ..strategies import machines
 from ..strategies.spec import SKIP_FINITE
 from . import stored
@@ -356,6 +356,7 @@ class KVCache:
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
                 window: Any = None, scale: float | None = None, softcap: float | None = None,
                 alibi_slopes: Any = None, sinks: Any = None, attn_mask: Any = None,
+                mask_mod: Any = None, score_mod: Any = None, score: Score | None = None,
                 engine: str = "auto", check_finite: bool = True, append: bool = True,
                 machine: str | None = None, details: dict | None = None) -> tuple[Any, Any]:
         """Chunked prefill: a sharded chunk attends the cache and itself, bottom-right causal (collective).
@@ -377,6 +378,9 @@ class KVCache:
         attn_mask : array, shape (B or 1, H or 1, c_r, length + C), optional
             This rank's chunk rows of a mask over the cache and the chunk (absolute key
             positions), as in :func:`mpiattn.attention`.
+        mask_mod, score_mod, score : optional
+            As in :meth:`attend` (absolute positions: chunk row ``i`` at ``length + i``), on
+            either variant.
         append : bool
             Keep the chunk's rows in the cache afterwards (each rank its own).
         details : dict, optional
@@ -396,7 +400,8 @@ class KVCache:
         options = dict(window=window, scale=scale, softcap=softcap, engine=engine,
                        check_finite=check_finite)
         kept: dict = {}
-        score = Score.of(alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask)
+        score = Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
+                         mask_mod=mask_mod, score_mod=score_mod)
         got = c.agree(lambda: chunk_checks(s, self.length, q, k, v, options, layout, variant,
                                            machine, score, kept), call="KVCache.prefill")
         with errors.alike():
@@ -407,6 +412,7 @@ class KVCache:
                 raise ValueError(f"attn_mask must span the cache and the chunk: its last axis must "
                                  f"be {self.length + C}")
             engines.agreed_choice([g["_engine"] for g in got], engine)
+            agree_answers(c, kept["score"], C, self.length + C, self.length, "KVCache.prefill")
             chosen, reason = variant, "requested"
             if variant == "auto":
                 ch = choose(c.size, C, self.length, s.B, int(q.shape[1]), s.Hkv, s.E, s.Ev,
@@ -415,7 +421,8 @@ class KVCache:
                 chosen, reason = ch.variant, ch.reason
         chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
         if chosen == "pass-kv":
-            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options, score)
+            out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options,
+                               score.shifted(self.length))
         else:
             prepare(c, q, k, v)
             with c.abort_on_error():

@@ -36,7 +36,7 @@ def step_attend(engine: Engine, spec: AttentionSpec, q_pos: np.ndarray, finite: 
     (its rules, scale and value dim; key/value blocks then come at absolute positions);
     ``mods``: its softcap and ALiBi slopes (distances between absolute positions)."""
     call = KernelCall.of(spec, tile=spec.tile or DEFAULT_TILE, finite=finite)
-    return Attend(engine, call, MaskSpec(spec.mask.causal, spec.mask.window),
+    return Attend(engine, call, MaskSpec(causal=spec.mask.causal, window=spec.mask.window),
                   QuerySide(np.asarray(q_pos, dtype=np.int64), mods=mods,
                             heads=None if mods is None else np.arange(spec.H)))
 

@@ -124,7 +124,8 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
     (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``score``:
     the score modifiers as given (the bottom-right diagonal ``length`` makes ALiBi's distance
     that of absolute positions; an ``attn_mask`` holds this rank's query rows, its key axis the
-    absolute positions, the keys' global order here).
+    absolute positions, the keys' global order here; functions given absolute query positions
+    take them shifted, :meth:`~mpiattn.masks.score.Score.shifted`).
     """
     xp = shard.xp
     kc, vc, pc = shard.whole()

@@ -44,7 +44,7 @@ import numpy as np
 from . import fingerprint
 from .maskmod import MaskMod
 from .modifiers import Modifiers, check_attn_mask, check_mask_mod, check_slopes, mask_kind
-from .scoremod import check_score_mod
+from .scoremod import check_score_mod, shift_score_mod
 from .sinks import check_sinks
 from .softcap import check_softcap
 from .temperature import Temperature, check_temperature
@@ -119,6 +119,15 @@ class Score:
         (e.g. a tensor checked and made an array by an interface)."""
         return replace(self, **{n: fn(n, getattr(self, n)) for n in ARRAYS if getattr(self, n) is not None})
 
+    def shifted(self, offset: int) -> "Score":
+        """The same Score with the functions (``mask_mod``, ``score_mod``) given query positions
+        ``q_idx + offset``: a call whose query rows stand ``offset`` places into its keys' axis
+        (a prefill chunk after ``offset`` cached rows) shows them their absolute positions."""
+        if offset == 0 or (self.mask_mod is None and self.score_mod is None):
+            return self
+        return replace(self, mask_mod=None if self.mask_mod is None else _ShiftedMask(self.mask_mod, offset),
+                       score_mod=None if self.score_mod is None else shift_score_mod(self.score_mod, offset))
+
     def given(self) -> tuple[str, ...]:
         """The names of the modifiers given, in :data:`NAMES` order."""
         return tuple(n for n in NAMES if not _absent(getattr(self, n)))
@@ -134,7 +143,8 @@ class Score:
         softcap = check_softcap(self.softcap)
         transforms = [n for n in ("softcap", "score_mod", "temperature") if getattr(self, n) is not None]
         if len(transforms) > 1:
-            raise ValueError(f"{' and '.join(transforms)} are all score transforms: give one (a "
+            raise ValueError(f"{' and '.join(transforms)} are {'both' if len(transforms) == 2 else 'all'} "
+                             "score transforms: give one (a "
                              "score_mod may cap its own result: c * tanh(f(x) / c))")
         if not isinstance(self.max_logit, (bool, np.bool_)):
             raise TypeError(f"max_logit must be True or False, got {self.max_logit!r}")
@@ -151,6 +161,17 @@ class Score:
 
 #: The modifiers, in the order of :class:`Score`'s fields.
 NAMES = tuple(f.name for f in fields(Score))
+
+
+@dataclass(frozen=True)
+class _ShiftedMask:
+    """``mask_mod`` given query positions ``q_idx + offset`` (:meth:`Score.shifted`)."""
+
+    fn: Any
+    offset: int
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return self.fn(b, h, q_idx + self.offset, kv_idx)
 
 
 def _absent(value: Any) -> bool:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import backend
 
-__all__ = ["ScoreMod", "TileIndex", "check_score_mod"]
+__all__ = ["ScoreMod", "TileIndex", "check_score_mod", "shift_score_mod"]
 
 
 class TileIndex:
@@ -147,3 +147,14 @@ class ScoreMod:
                              "backward")
         dS *= self._apply(self.grad, saved, at)
         return dS
+
+
+def shift_score_mod(fn: Any, offset: int) -> Any:
+    """``fn`` (a :class:`ScoreMod` or a plain function) given query positions ``q_idx + offset``."""
+    def shifted(f: Callable | None) -> Callable | None:
+        if f is None:
+            return None
+        return lambda s, b, h, q_idx, kv_idx: f(s, b, h, q_idx + offset, kv_idx)
+    if isinstance(fn, ScoreMod):
+        return ScoreMod(shifted(fn.fn), shifted(fn.grad))
+    return shifted(fn)

@@ -21,7 +21,7 @@ from ..comm.core import get_comm
 from ..masks.score import Score
 from .base import Progress
 from .plan import backward_problem, plan_attention
-from .problem import validate
+from .problem import Arguments, validate
 
 __all__ = ["attention", "attention_backward"]
 
@@ -202,10 +202,12 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     True
     """
     c = get_comm(comm)
-    pb = validate(c, q, k, v, key_padding_mask, {"dout": dout, "out": out, "lse": lse}, options,
-                  segment_ids, kv_segment_ids,
-                  Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
-                           alibi_slopes=alibi_slopes, sinks=sinks))
+    pb = validate(c, Arguments(q, k, v, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids,
+                               grads={"dout": dout, "out": out, "lse": lse}, settings=options,
+                               score=Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod,
+                                              score_mod=score_mod, alibi_slopes=alibi_slopes,
+                                              sinks=sinks)))
     if details is not None:
         details.update(pb.details())
     return backward_problem(c, pb, dout, q, k, v, out, lse, key_padding_mask, progress)

@@ -30,7 +30,7 @@ from ..comm.core import Comm, get_comm
 from ..masks.score import Score
 from ..masks.sinks import add_sinks, check_sinks, sink_gradient
 from .base import Progress
-from .problem import Problem, validate
+from .problem import Arguments, Problem, validate
 from .spec import SKIP_FINITE, AttentionSpec, Options
 
 __all__ = ["AttentionPlan", "plan_attention", "forward_problem", "backward_problem", "reuse_or_plan"]
@@ -269,9 +269,11 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
     True
     """
     c = get_comm(comm)
-    pb = validate(c, q, k, v, key_padding_mask, {}, options, segment_ids, kv_segment_ids,
-                  Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
-                           alibi_slopes=alibi_slopes, sinks=sinks))
+    pb = validate(c, Arguments(q, k, v, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, settings=options,
+                               score=Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod,
+                                              score_mod=score_mod, alibi_slopes=alibi_slopes,
+                                              sinks=sinks)))
     B, H, n, _ = q.shape
     shapes = {"q": (tuple(q.shape), q.dtype), "k": (tuple(k.shape), k.dtype),
               "v": (tuple(v.shape), v.dtype), "dout": ((B, H, n, v.shape[3]), q.dtype),

@@ -34,7 +34,7 @@ from .base import Strategy
 from .blocked import Attend
 from .spec import SKIP_FINITE, AttentionSpec, Options
 
-__all__ = ["Problem", "validate"]
+__all__ = ["Problem", "Arguments", "validate"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,40 @@ class Problem:
                 "block_size": self.block}
 
 
+@dataclass(frozen=True)
+class Arguments:
+    """One rank's arguments of an attention call, as given: what :func:`validate` checks.
+
+    Attributes
+    ----------
+    q, k, v : arrays, shapes (B, H, n_r, E), (B, Hkv, m_r, E), (B, Hkv, m_r, Ev)
+    key_padding_mask : bool array (B, m_r) or None
+    segment_ids, kv_segment_ids : integer arrays (B, n_r), (B, m_r) or None
+    grads : dict
+        A backward's ``dout``, ``out`` and ``lse`` (empty for a forward or a plan).
+    settings : dict
+        The :class:`Options` keywords (and ``options``) the caller passed.
+    score : Score
+        The score modifiers (:class:`mpiattn.masks.score.Score`; a softcap or max_logit among
+        the settings joins it).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    key_padding_mask: Any = None
+    segment_ids: Any = None
+    kv_segment_ids: Any = None
+    grads: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    score: Score = field(default_factory=Score)
+
+    @property
+    def call(self) -> str:
+        """The public call these arguments are of (errors name it)."""
+        return "attention_backward" if "dout" in self.grads else "attention"
+
+
 # --------------------------------------------------------------- local checks
 def _check_arrays(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any]) -> Any:
     """The local shape and dtype checks; returns the array module."""
@@ -163,51 +197,64 @@ def _check_arrays(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any]) -> A
     return xp
 
 
-def _local(q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any], settings: dict,
-           segment_ids: Any, kv_segment_ids: Any, ids: dict, score: Score) -> dict:
-    """This rank's view of the call (inside the validation allgather: errors are agreed)."""
-    options = Options.of(settings.pop("options", None), **settings)
-    score = Score.of(score, softcap=options.softcap, max_logit=options.max_logit)
-    if options.strategy != "auto":
-        registry.get(options.strategy)  # an unknown name or configuration raises here
-    if options.engine not in engines.NAMES:
-        raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
-    xp = _check_arrays(q, k, v, mask, extra)
-    if options.check_finite:
-        for name, x in (("q", q), ("k", k), ("v", v), *[(nm, x) for nm, x in extra.items() if nm != "lse"]):
-            if x.size and not bool(xp.isfinite(x).all()):
-                raise ValueError(f"{name} contains NaN or Inf ({SKIP_FINITE})")
-    B, H, n, E = q.shape
-    Hkv, m, Ev = k.shape[1], k.shape[2], v.shape[3]
-    if kv_segment_ids is not None and segment_ids is None:
-        raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
-    if segment_ids is not None:
-        ids["q"] = local_ids("segment_ids", segment_ids, (B, n), xp)
-    if kv_segment_ids is not None:
-        ids["k"] = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
-    checked = ids["score"] = score.checked(B, H, n)
-    options = replace(options, softcap=checked.softcap, max_logit=checked.max_logit)
-    if "dout" in extra and checked.score_mod is not None and not getattr(
-            checked.score_mod, "differentiable", True):
-        raise ValueError("score_mod has no derivative: a backward needs mpiattn.ScoreMod(fn, grad), "
-                         "grad(score, b, h, q_idx, kv_idx) = d fn / d score")
-    here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
-                                     padding=mask is not None, segments=segment_ids is not None,
-                                     kv_segments=kv_segment_ids is not None, **checked.flags())
-    mask_spec = here.mask
-    machine = None
-    if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
-        machine = machines.load(machines.resolve_name(options.machine, xp.__name__))
-    return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
-            "backend": xp.__name__, **options.by_field(),
-            "segment_ids / kv_segment_ids / key_padding_mask presence": (
-                mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
-            "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
-                None if machine is None else {**machine.to_dict(), "sources": None}),
-            **checked.agreement(), "_mask_keys": checked.mask_keys, "_hides": checked.hides,
-            "_n": n, "_m": m, "_spec": here, "_machine": machine,
-            "_engine": (choice := engines.local_choice(options.engine, here)),
-            "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
+class _Rank:
+    """This rank's view of a call: :meth:`shared` checks the arguments (inside the validation
+    allgather: errors are agreed) and returns what the ranks compare; what it made stays here
+    for the agreed part (the checked score modifiers, the local document ids)."""
+
+    def __init__(self, args: Arguments):
+        self.args = args
+        self.score: Checked | None = None
+        self.seg_q = self.seg_k = None
+
+    def shared(self) -> dict:
+        """The fields every rank must hold alike (names with ``_``: gathered, not compared)."""
+        a = self.args
+        q, k, v, mask, extra = a.q, a.k, a.v, a.key_padding_mask, a.grads
+        segment_ids, kv_segment_ids = a.segment_ids, a.kv_segment_ids
+        settings = dict(a.settings)
+        options = Options.of(settings.pop("options", None), **settings)
+        score = Score.of(a.score, softcap=options.softcap, max_logit=options.max_logit)
+        if options.strategy != "auto":
+            registry.get(options.strategy)  # an unknown name or configuration raises here
+        if options.engine not in engines.NAMES:
+            raise ValueError(f"unknown engine {options.engine!r}; expected one of {', '.join(engines.NAMES)}")
+        xp = _check_arrays(q, k, v, mask, extra)
+        if options.check_finite:
+            for name, x in (("q", q), ("k", k), ("v", v), *[(nm, x) for nm, x in extra.items() if nm != "lse"]):
+                if x.size and not bool(xp.isfinite(x).all()):
+                    raise ValueError(f"{name} contains NaN or Inf ({SKIP_FINITE})")
+        B, H, n, E = q.shape
+        Hkv, m, Ev = k.shape[1], k.shape[2], v.shape[3]
+        if kv_segment_ids is not None and segment_ids is None:
+            raise ValueError("kv_segment_ids needs segment_ids (the queries' document ids)")
+        if segment_ids is not None:
+            self.seg_q = local_ids("segment_ids", segment_ids, (B, n), xp)
+        if kv_segment_ids is not None:
+            self.seg_k = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
+        checked = self.score = score.checked(B, H, n)
+        options = replace(options, softcap=checked.softcap, max_logit=checked.max_logit)
+        if "dout" in extra and checked.score_mod is not None and not getattr(
+                checked.score_mod, "differentiable", True):
+            raise ValueError("score_mod has no derivative: a backward needs mpiattn.ScoreMod(fn, grad), "
+                             "grad(score, b, h, q_idx, kv_idx) = d fn / d score")
+        here = AttentionSpec.from_shapes(q.shape, k.shape, v.shape, q.dtype, options, device=xp.__name__,
+                                         padding=mask is not None, segments=segment_ids is not None,
+                                         kv_segments=kv_segment_ids is not None, **checked.flags())
+        mask_spec = here.mask
+        machine = None
+        if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
+            machine = machines.load(machines.resolve_name(options.machine, xp.__name__))
+        return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
+                "backend": xp.__name__, **options.by_field(),
+                "segment_ids / kv_segment_ids / key_padding_mask presence": (
+                    mask_spec.segments, mask_spec.kv_segments, mask_spec.padding),
+                "the cost model's machine (machine= or $" + machines.MACHINE_VARIABLE + ")": (
+                    None if machine is None else {**machine.to_dict(), "sources": None}),
+                **checked.agreement(), "_mask_keys": checked.mask_keys, "_hides": checked.hides,
+                "_n": n, "_m": m, "_spec": here, "_machine": machine,
+                "_engine": (choice := engines.local_choice(options.engine, here)),
+                "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
 
 
 def _key_layout(options: Options, N: int, M: int) -> Any:
@@ -239,22 +286,16 @@ def _visible_pairs(c: Comm, spec: AttentionSpec, mods: Modifiers) -> np.ndarray:
 
 
 # --------------------------------------------------------------- the call
-def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
-             settings: dict, segment_ids: Any = None, kv_segment_ids: Any = None,
-             score: Score | None = None) -> Problem:
+def validate(c: Comm, args: Arguments) -> Problem:
     """Check a call on every rank (one metadata allgather) and plan it: its :class:`Problem`.
 
-    ``settings`` are the :class:`Options` keywords (and ``options``) the
-    caller passed; ``score`` the score modifiers (:class:`mpiattn.masks.score.Score`; a softcap
-    or max_logit among the options joins it). Raises the same (:class:`mpiattn.comm.errors.Agreed`)
-    ValueError/TypeError on every rank when any rank's arguments are bad or
-    the ranks disagree; then chooses the device transport for CuPy arrays
-    and gathers the document ids (collective points every rank reaches).
+    Raises the same (:class:`mpiattn.comm.errors.Agreed`) ValueError/TypeError on every rank
+    when any rank's arguments are bad or the ranks disagree; then chooses the device transport
+    for CuPy arrays and gathers the document ids (collective points every rank reaches).
     """
-    ids: dict = {}
-    got = c.agree(lambda: _local(q, k, v, mask, extra, dict(settings), segment_ids,
-                                 kv_segment_ids, ids, score or Score()),
-                  call="attention_backward" if "dout" in extra else "attention")
+    mine = _Rank(args)
+    got = c.agree(mine.shared, call=args.call)
+    q, k, v = args.q, args.k, args.v
     with errors.alike():  # from here on every rank decides on the same gathered data
         here: AttentionSpec = got[0]["_spec"]
         options = here.options
@@ -279,9 +320,9 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
         engine = engines.get(engine_name)
         max_m = max(g["_m"] for g in got)
         block = options.block_size or engine.block_rows(spec, max_m)
-        checked: Checked = ids["score"]
+        checked: Checked = mine.score
         mods = checked.modifiers()
-        agree_answers(c, checked, N, M, spec.mask.diagonal, "attention")
+        agree_answers(c, checked, N, M, spec.mask.diagonal, args.call)
         # whether some pair is hidden: from every rank's rows (a float attn_mask may hold -inf
         # on some ranks only), so that every rank counts the pairs, or none does
         hides = any(g["_hides"] for g in got)
@@ -293,8 +334,9 @@ def validate(c: Comm, q: Any, k: Any, v: Any, mask: Any, extra: dict[str, Any],
     prepare(c, q, k, v)  # every rank is here, with the same backend
     seg_q = seg_k = None
     if spec.mask.segments:
-        seg_q = global_rows(c, ids["q"], N, spec.layout)
-        seg_k = global_rows(c, ids["k"], M, kv_layout) if spec.mask.kv_segments else seg_q
-    return Problem(spec, c.size, c.rank, strategy, engine, int(block),
-                   int(options.block_size or spec.tile or DEFAULT_TILE), options.check_finite, strategy_reason,
-                   engine_reason, seg_q, seg_k, mods, checked.sinks)
+        seg_q = global_rows(c, mine.seg_q, N, spec.layout)
+        seg_k = global_rows(c, mine.seg_k, M, kv_layout) if spec.mask.kv_segments else seg_q
+    return Problem(spec=spec, P=c.size, rank=c.rank, strategy=strategy, engine=engine, block=int(block),
+                   tile=int(options.block_size or spec.tile or DEFAULT_TILE), finite=options.check_finite,
+                   strategy_reason=strategy_reason, engine_reason=engine_reason, seg_q=seg_q,
+                   seg_k=seg_k, mods=mods, sinks=checked.sinks)

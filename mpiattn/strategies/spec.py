@@ -219,8 +219,10 @@ class AttentionSpec:
         o = Options() if options is None else options
         B, H, N, E = (int(x) for x in q)
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
-        mask = MaskSpec(bool(o.causal), o.window, segments, kv_segments, padding,
-                        diagonal(o.causal, N, M), o.softcap, alibi, attn_mask, mask_mod, sinks,
-                        o.max_logit, score_mod)
-        return cls(B, H, Hkv, E, Ev, N, M, np.dtype(dtype), device, softmax_scale(o.scale, E), mask,
-                   o.layout, o.layout if o.kv_layout is None else o.kv_layout, o)
+        mask = MaskSpec(causal=bool(o.causal), window=o.window, segments=segments,
+                        kv_segments=kv_segments, padding=padding, diagonal=diagonal(o.causal, N, M),
+                        softcap=o.softcap, alibi=alibi, attn_mask=attn_mask, mask_mod=mask_mod,
+                        sinks=sinks, max_logit=o.max_logit, score_mod=score_mod)
+        return cls(B=B, H=H, Hkv=Hkv, E=E, Ev=Ev, N=N, M=M, dtype=np.dtype(dtype), device=device,
+                   scale=softmax_scale(o.scale, E), mask=mask, layout=o.layout,
+                   kv_layout=o.layout if o.kv_layout is None else o.kv_layout, options=o)

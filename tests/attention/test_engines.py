@@ -26,7 +26,7 @@ def _chosen(comm, monkeypatch, **kw):
     """The engine validate() agrees on for a small call."""
     q, k, v = _case(comm, kw.pop("dtype", np.float32))
     c = mpiattn.get_comm(comm.mpi)
-    pb = problem.validate(c, q, k, v, None, {}, dict(strategy="ring", **kw))
+    pb = problem.validate(c, problem.Arguments(q, k, v, settings=dict(strategy="ring", **kw)))
     return pb.engine.name, pb.engine_reason
 
 

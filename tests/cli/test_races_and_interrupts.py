@@ -139,12 +139,12 @@ PROGRAM = textwrap.dedent("""
     rank = MPI.COMM_WORLD.Get_rank()
     x = np.ones((1, 2, 40, 8))
     if where == "checks":  # Ctrl-C while rank 1 checks its arguments (local work)
-        real = problem._local
-        def checks(*a, **kw):
+        real = problem._Rank.shared
+        def checks(self):
             if rank == 1:
                 raise KeyboardInterrupt
-            return real(*a, **kw)
-        problem._local = checks
+            return real(self)
+        problem._Rank.shared = checks
     else:  # Ctrl-C on rank 1 inside the ring, while rank 0 waits for its blocks
         real_ring = ring.circulate
         def circulate(*a, **kw):

@@ -776,9 +776,9 @@ def test_the_fused_kernels_are_an_engine_chosen_by_name(comm):
 
     x = np.ones((1, 1, 4, 2))
     assert engines.get("fused").fused and not engines.get("native").fused
-    assert problem.validate(comm, x, x, x, None, {}, {}).engine.name == "native"
+    assert problem.validate(comm, problem.Arguments(x, x, x)).engine.name == "native"
     with pytest.raises(ValueError, match="the fused engine does not run on numpy arrays"):
-        problem.validate(comm, x, x, x, None, {}, {"engine": "fused"})
+        problem.validate(comm, problem.Arguments(x, x, x, settings={"engine": "fused"}))
     assert sorted(fused.__all__) == ["BIG", "generic", "softmax_bwd_", "softmax_fwd_"]
 
 

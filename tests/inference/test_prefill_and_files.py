@@ -226,3 +226,40 @@ def test_chunked_prefill_with_an_attn_mask(comm, variant, kind):
     with pytest.raises(ValueError, match="span the cache and the chunk"):
         cache.prefill(*(zig(x[:, :, sl]) for x in (Q, K, V)), layout="zigzag", variant=variant,
                       attn_mask=zig(mask[..., :-1]), append=False)
+
+
+@pytest.mark.parametrize("variant", ["pass-kv", "pass-q"])
+def test_chunked_prefill_with_a_score_mod_and_a_mask_mod(comm, variant):
+    """Both variants give a score_mod (a relative-position bias, a per-head temperature) and a
+    mask_mod absolute positions (chunk row ``i`` at ``n0 + i``), as decode does: the chunk's rows
+    of the whole sequence's float64 torch reference; the same through ``score=``."""
+    from helpers import torch_reference, visible_matrix
+
+    torch = pytest.importorskip("torch")
+    Q, K, V = _seq(13)
+    B, H, L = Q.shape[:3]
+    rng = np.random.default_rng(7)
+    table, temp = rng.standard_normal((H, 2 * L)), 0.5 + rng.random(H)
+    mod = mpiattn.ScoreMod(lambda x, b, h, i, j: x * temp[h] + table[h, i - j + L],
+                           lambda x, b, h, i, j: temp[h] + 0 * x)
+    rule = lambda b, h, i, j: (i % 3 != 0) | (j % 2 == 0)  # noqa: E731
+    n0, C = 29, 19
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :n0]), mpiattn.shard(V[:, :, :n0]), page=3)
+    sl = slice(n0, n0 + C)
+    zig = lambda x: mpiattn.shard(x, layout="zigzag")  # noqa: E731
+    out, lse = cache.prefill(*(zig(x[:, :, sl]) for x in (Q, K, V)), layout="zigzag", variant=variant,
+                             window=(12, 0), score_mod=mod, mask_mod=rule, append=False)
+    i_abs, j = np.arange(n0, n0 + C)[:, None], np.arange(n0 + C)[None, :]
+    vis = visible_matrix(B, C, n0 + C, "bottom-right", (12, 0))[:, None] & rule(0, 0, i_abs, j)
+    t_table, t_temp = torch.tensor(table), torch.tensor(temp)
+    dO = np.zeros(Q[:, :, sl].shape[:3] + (V.shape[3],))
+    ref = torch_reference(Q[:, :, sl], K[:, :, :n0 + C], V[:, :, :n0 + C], dO, vis,
+                          score_mod=lambda x, b, h, i, j: x * t_temp[h] + t_table[h, i + n0 - j + L])
+    got = host(mpiattn.gather(out, layout="zigzag", root=None))
+    np.testing.assert_allclose(got, ref[0], atol=1e-12)
+    np.testing.assert_allclose(host(mpiattn.gather(lse, axis=-1, layout="zigzag", root=None)), ref[1],
+                               atol=1e-12)
+    again, _ = cache.prefill(*(zig(x[:, :, sl]) for x in (Q, K, V)), layout="zigzag", variant=variant,
+                             window=(12, 0), score=mpiattn.Score(score_mod=mod, mask_mod=rule),
+                             append=False)
+    np.testing.assert_array_equal(host(mpiattn.gather(again, layout="zigzag", root=None)), got)
