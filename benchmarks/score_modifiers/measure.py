@@ -42,13 +42,15 @@ def cost(args):
     cap = np.float32(30.0)
     table = (0.1 * rng.standard_normal((H, 2 * N))).astype(np.float32)  # an (H, 2N) bias table
     variants = {"plain": {}, "softcap": {"softcap": 30.0}, "sinks": {"sinks": rng.standard_normal(H)},
-                "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)},
-                "score_mod-softcap": {"score_mod": mpiattn.ScoreMod(
-                    lambda s, b, h, i, j: cap * np.tanh(s / cap),
-                    lambda s, b, h, i, j: 1 - np.tanh(s / cap) ** 2)},
-                "score_mod-bias-table": {"score_mod": mpiattn.ScoreMod(
-                    lambda s, b, h, i, j: s + table[h, i - j + N],
-                    lambda s, b, h, i, j: np.ones_like(s))}}
+                "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)}}
+    if hasattr(mpiattn, "ScoreMod"):  # (a release before score_mod: the others only)
+        variants.update({
+            "score_mod-softcap": {"score_mod": mpiattn.ScoreMod(
+                lambda s, b, h, i, j: cap * np.tanh(s / cap),
+                lambda s, b, h, i, j: 1 - np.tanh(s / cap) ** 2)},
+            "score_mod-bias-table": {"score_mod": mpiattn.ScoreMod(
+                lambda s, b, h, i, j: s + table[h, i - j + N],
+                lambda s, b, h, i, j: np.ones_like(s))}})
     if args.only:
         variants = {name: kw for name, kw in variants.items() if name == "plain" or name in args.only}
     base = {}

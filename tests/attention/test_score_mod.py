@@ -108,6 +108,23 @@ def test_a_score_mod_with_every_other_modifier(comm, name):
     _compare(got, ref[:6])
 
 
+@pytest.mark.parametrize("name", ["relative-bias", "batch-and-square"])
+def test_a_tile_given_to_the_function_in_row_pieces_is_the_whole_tile_bit_for_bit(comm, name,
+                                                                                  monkeypatch):
+    """The host cuts a tile into row pieces for the function (``scoremod.PIECE``): pieces of a
+    few rows (some of them short) give the bits of one piece, forward and backward."""
+    from mpiattn.masks import scoremod
+    data = _data(31, 45, seed=11)
+    kw = dict(causal=True, block_size=16)
+    whole, _ = _run(comm, data, MODS[name][0], **kw)
+    monkeypatch.setattr(scoremod, "PIECE", 3 * 45)  # three rows of a 45-key tile, or fewer
+    cut, _ = _run(comm, data, MODS[name][0], **kw)
+    for a, b in zip(whole, cut):
+        assert np.array_equal(a, b)
+    vis = visible_matrix(B, 31, 45, True)[:, None]
+    _compare(cut, torch_reference(*data, vis, score_mod=MODS[name][1])[:5])
+
+
 def test_a_softcap_written_as_a_score_mod_is_the_builtin_bit_for_bit(comm):
     data = _data(29, 29, seed=9, dtype="float32")
     mine, _ = _run(comm, data, MODS["softcap"][0], causal=True, block_size=8)
