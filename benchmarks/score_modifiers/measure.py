@@ -41,6 +41,7 @@ def cost(args):
     q, k, v, do = (rng.standard_normal((1, H, N, E)).astype(np.float32) for _ in range(4))
     cap = np.float32(30.0)
     table = (0.1 * rng.standard_normal((H, 2 * N))).astype(np.float32)  # an (H, 2N) bias table
+    flat = table.ravel()
     variants = {"plain": {}, "softcap": {"softcap": 30.0}, "sinks": {"sinks": rng.standard_normal(H)},
                 "alibi": {"alibi_slopes": 2.0 ** -np.arange(1, H + 1)}}
     if hasattr(mpiattn, "ScoreMod"):  # (a release before score_mod: the others only)
@@ -50,6 +51,11 @@ def cost(args):
                 lambda s, b, h, i, j: 1 - np.tanh(s / cap) ** 2)},
             "score_mod-bias-table": {"score_mod": mpiattn.ScoreMod(
                 lambda s, b, h, i, j: s + table[h, i - j + N],
+                lambda s, b, h, i, j: np.ones_like(s))},
+            # the same table read with np.take on its flat form: NumPy's gather by one index
+            # array costs about half its 2-D fancy indexing (benchmarks/score_modifiers/README.md)
+            "score_mod-bias-take": {"score_mod": mpiattn.ScoreMod(
+                lambda s, b, h, i, j: s + np.take(flat, h * (2 * N) + (i - j + N)),
                 lambda s, b, h, i, j: np.ones_like(s))}})
     if args.only:
         variants = {name: kw for name, kw in variants.items() if name == "plain" or name in args.only}
