@@ -25,11 +25,11 @@ import json
 import sys
 from typing import Any
 
-import numpy as np
 
 from ..comm.topology import Topology
 from ..inference import prefill
 from ..inference.decode import predict_step
+from ..inference.pricing import PassQ, chunk_spec
 from ..kernels import engines
 from ..strategies import AttentionSpec, Options, machines, model, registry
 from . import argtypes
@@ -126,18 +126,22 @@ def build(args: Any) -> dict:
 
 
 def _inference(args: Any, Hkv: int, Ev: int, topo: Topology, machine: Any) -> dict:
-    """Decode step and chunked prefill against a cache of ``--cache`` rows, on P ranks and on one."""
-    P, M, t, C = topo.P, args.cache, args.new_tokens or 1, args.chunk or args.seq
-    size = 2 if args.dtype in ("bfloat16", "float16") else np.dtype(args.dtype).itemsize
-    shape = dict(B=args.batch, H=args.heads, Hkv=Hkv, E=args.dim, Ev=Ev, itemsize=size,
-                 machine=machine, rate_dtype=args.dtype)
-    step = predict_step(P, t, M, between_nodes=topo.n_nodes > 1, **shape)
-    one = predict_step(1, t, M, between_nodes=False, **shape)
-    pre = prefill.choose(P, C, M, between_nodes=topo.n_nodes > 1, **shape)
-    pre_one_s = model.compute_time(prefill.flops(C, M, args.batch, args.heads, args.dim, Ev),
-                                   machine, args.dtype)  # one rank: the compute alone
+    """Decode step and chunked prefill against a cache of ``--cache`` rows, on P ranks and on one
+    (the new rows' calls priced by the model's one entry point, :mod:`mpiattn.inference.pricing`)."""
+    M, t, C = args.cache, args.new_tokens or 1, args.chunk or args.seq
+    size_dtype = "float16" if args.dtype == "bfloat16" else args.dtype
+    one = Topology.blocks(1, 1)
+
+    def call(n: int) -> Any:
+        return chunk_spec(args.batch, args.heads, Hkv, n, M, args.dim, Ev, size_dtype, args.window)
+
+    step = predict_step(call(t), topo, machine, rate_dtype=args.dtype)
+    alone = predict_step(call(t), one, machine, rate_dtype=args.dtype)
+    chunk = call(C)
+    pre = prefill.choose(chunk, topo, machine, rate_dtype=args.dtype)
+    pre_one_s = model.predict(PassQ(), chunk, one, chunk.M, machine, rate_dtype=args.dtype).forward_s
     return {"cache": M, "new_tokens": t, "chunk": C,
-            "decode": {**step, "one_rank_s": one["step_s"], "speedup": one["step_s"] / step["step_s"]},
+            "decode": {**step, "one_rank_s": alone["step_s"], "speedup": alone["step_s"] / step["step_s"]},
             "prefill": {"variant": pre.variant, "pass_kv_s": pre.pass_kv_s, "pass_q_s": pre.pass_q_s,
                         "pass_kv_bytes": pre.pass_kv_bytes, "pass_q_bytes": pre.pass_q_bytes,
                         "one_rank_s": pre_one_s}}

@@ -33,11 +33,13 @@ from ..kernels import engines
 from ..layouts import Layout, all_segments, check_layout, check_shares, layout_key, positions
 from ..masks.score import Score, agree_answers
 from ..strategies import machines
+from ..strategies.problem import visible_pairs
 from ..strategies.spec import SKIP_FINITE
 from . import stored
 from .decode import DecodePlan, checksum, decode
 from .placement import PAGE_ROWS, Placement, check_page
 from .prefill import choose, chunk_checks, pass_kv, pass_q, runs_of
+from .pricing import chunk_spec
 from .shard import Shard, nonfinite
 
 __all__ = ["KVCache"]
@@ -414,11 +416,18 @@ class KVCache:
             engines.agreed_choice([g["_engine"] for g in got], engine)
             agree_answers(c, kept["score"], C, self.length + C, self.length, "KVCache.prefill")
             chosen, reason = variant, "requested"
-            if variant == "auto":
-                ch = choose(c.size, C, self.length, s.B, int(q.shape[1]), s.Hkv, s.E, s.Ev,
-                            s.dtype.itemsize, machines.load(got[0]["machine"]),
-                            c.topology.n_nodes > 1, rate_dtype=s.dtype.name)
+            if variant == "auto" and c.size > 1:
+                spec = chunk_spec(s.B, int(q.shape[1]), s.Hkv, C, self.length, s.E, s.Ev, s.dtype,
+                                  window, layout)
+                pairs = None
+                if any(g["_hides"] for g in got):  # agreed: every rank counts, or none
+                    mods = score.shifted(self.length).checked(s.B, spec.H, int(q.shape[2])).modifiers()
+                    pairs = visible_pairs(c, spec, mods)
+                ch = choose(spec, c.topology, machines.load(got[0]["machine"]), pairs,
+                            page=self.placement.page)
                 chosen, reason = ch.variant, ch.reason
+            elif variant == "auto":
+                chosen, reason = "pass-q", "one rank: nothing travels"
         chunk_pos = positions(all_segments(C, c.size, layout)[c.rank])
         if chosen == "pass-kv":
             out, lse = pass_kv(c, s, self.length, q, k, v, chunk_pos, layout, options,

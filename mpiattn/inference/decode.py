@@ -21,7 +21,6 @@ pairs), words read ``M / P x B Hkv (E + Ev)`` (memory bound for small
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import replace
 from typing import Any, Callable
@@ -39,6 +38,8 @@ from ..masks.sinks import add_sinks
 from ..strategies import model
 from ..strategies.machines import Machine
 from ..strategies.spec import SKIP_FINITE, AttentionSpec, Options
+from .placement import PAGE_ROWS
+from .pricing import DecodeStep
 from .local import partial_attention, step_attend
 from .merge import tree_merge
 from .shard import Shard
@@ -249,30 +250,30 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
     return plan.run(q, length, None, used)
 
 
-def predict_step(P: int, t: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
-                 machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> dict:
-    """The cost model's decode step (:mod:`mpiattn.strategies.model`): ``t`` new queries against a
-    cache of ``M`` rows on ``P`` ranks.
+def predict_step(spec: AttentionSpec, topology: Any, machine: Machine, pairs: Any = None,
+                 rate_dtype: str | None = None, page: int = PAGE_ROWS) -> dict:
+    """The cost model's decode step: ``spec`` the new queries' call against the cache
+    (:func:`~mpiattn.inference.pricing.chunk_spec`: ``N`` new tokens at the end of ``M`` keys) on
+    ``topology``'s ranks, priced by :func:`mpiattn.strategies.model.predict` as
+    :class:`~mpiattn.inference.pricing.DecodeStep`.
 
-    Per rank: compute ``2 B H (E + Ev) t M / P`` FLOPs at the machine's rate, or
-    reading its ``M / P x B Hkv (E + Ev)`` cached words at its memory bandwidth,
-    whichever is longer (a decode step is memory-bound for small ``t``); then the
-    tree merge, a phase of ``2 ceil(log2 P)`` messages of ``B t H (Ev + 1)`` accumulation
-    words over the slowest link the tree uses (between nodes when there are several).
+    Per rank: the compute of the visible pairs it holds, or reading those keys at the memory
+    bandwidth, whichever is longer (a decode step is memory-bound for few new tokens); then the
+    tree merge. ``pairs``: the new rows' visible keys when a mask hides some (counted; default
+    the causal and window rules'); ``page``: the cache's rows per page.
 
     Returns
     -------
     dict
-        ``compute_s``, ``read_s``, ``merge_s``, ``step_s`` (seconds) and ``merge_bytes``.
+        ``compute_s``, ``read_s``, ``merge_s``, ``step_s`` (seconds) and ``merge_bytes`` (one
+        merge message).
     """
-    acc = model.accum_bytes(itemsize)
-    flops = model.flops_per_pair(B, H, E, Ev) * t * M / P
-    read = M / P * B * Hkv * (E + Ev) * itemsize
-    steps = 2 * math.ceil(math.log2(P)) if P > 1 else 0
-    words = B * t * H * (Ev + 1)
-    merge = [model.link_phase(between_nodes, steps * words * acc, steps)] if steps else []
-    compute = model.compute_time(flops, machine, rate_dtype, read)
-    step = model.pass_time(compute, merge, machine)
-    return {"compute_s": model.compute_time(flops, machine, rate_dtype),
-            "read_s": model.compute_time(0.0, machine, rate_dtype, read), "merge_s": step - compute,
-            "step_s": step, "merge_bytes": float(words * acc)}
+    step = DecodeStep(page)
+    pairs = model.RowPairs.of(spec, pairs)
+    pred = model.predict(step, spec, topology, spec.M, machine, pairs, rate_dtype)
+    dtype = rate_dtype or spec.dtype
+    flops = model.flops_per_pair(spec.B, spec.H, spec.E, spec.Ev) * pairs.total
+    compute = model.compute_time(flops * step.work(spec, topology, pairs), machine, dtype)
+    read = model.compute_time(0.0, machine, dtype, step.reads(spec, topology))
+    return {"compute_s": compute, "read_s": read, "merge_s": pred.forward_s - max(compute, read),
+            "step_s": pred.forward_s, "merge_bytes": step.merge_bytes(spec)}

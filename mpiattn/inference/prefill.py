@@ -22,17 +22,18 @@ its own cache rows. Two exact ways to bring them together (Yang et al.
     (Ev + 1)`` words), merged there in rank order (:func:`mpiattn.inference.merge.merge`).
     Nothing overlaps; no copy of the cache.
 
-:func:`choose` takes the one with the shorter predicted time on a
-:class:`~mpiattn.strategies.machines.Machine` (its link to the other ranks,
-its compute rate and how much of a ring's transfer hides behind compute):
-pass-Q when the chunk is short next to the cache, as in the paper's rule
-(pass-KV once ``C / (C + M)`` exceeds about ``2 Hkv / H``, or its transfer
-hides behind the compute).
+:func:`choose` takes the one with the shorter forward the cost model
+predicts on a :class:`~mpiattn.strategies.machines.Machine` (its links, its
+compute rate and how much of a ring's transfer hides behind compute), the two
+priced through the model's one entry point as the attention strategies are
+(:mod:`mpiattn.inference.pricing`), the visible pairs counted under the
+window and any ``attn_mask`` or ``mask_mod``: pass-Q when the chunk is short
+next to the cache, as in the paper's rule (pass-KV once ``C / (C + M)``
+exceeds about ``2 Hkv / H``, or its transfer hides behind the compute).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +54,11 @@ from ..strategies.spec import AttentionSpec, Options
 from .decode import step_spec
 from .local import partial_attention, step_attend
 from .merge import merge
+from .placement import PAGE_ROWS
+from .pricing import PassKV, PassQ
 from .shard import Shard
 
-__all__ = ["VARIANTS", "Choice", "choose", "chunk_checks", "flops", "pass_kv", "pass_q", "runs_of"]
+__all__ = ["VARIANTS", "Choice", "choose", "chunk_checks", "pass_kv", "pass_q", "runs_of"]
 
 #: Accepted values of ``variant=``.
 VARIANTS = ("auto", "pass-kv", "pass-q")
@@ -77,32 +80,25 @@ class Choice:
                 f"sent), pass-q {self.pass_q_s * 1e3:.3g} ms ({self.pass_q_bytes / 2**20:.3g} MiB)")
 
 
-def flops(C: int, M: int, B: int, H: int, E: int, Ev: int) -> float:
-    """Forward FLOPs of a chunk of ``C`` queries after ``M`` cached rows (causal: ``C M + C (C + 1)
-    / 2`` visible pairs)."""
-    return model.flops_per_pair(B, H, E, Ev) * (C * M + C * (C + 1) / 2)
+def choose(spec: AttentionSpec, topology: Any, machine: Machine, pairs: Any = None,
+           rate_dtype: str | None = None, page: int = PAGE_ROWS, block: int | None = None) -> Choice:
+    """pass-KV or pass-Q for the chunk's call ``spec`` (:func:`~mpiattn.inference.pricing.chunk_spec`)
+    on ``topology``'s ranks: the one with the shorter forward the cost model predicts
+    (:func:`mpiattn.strategies.model.predict` of :class:`~mpiattn.inference.pricing.PassKV` and
+    :class:`~mpiattn.inference.pricing.PassQ`; module docstring for the words).
 
-
-def choose(P: int, C: int, M: int, B: int, H: int, Hkv: int, E: int, Ev: int, itemsize: int,
-           machine: Machine, between_nodes: bool, rate_dtype: str = "float32") -> Choice:
-    """pass-KV or pass-Q for a chunk of ``C`` queries after ``M`` cached rows on ``P`` ranks.
-
-    Priced by the strategies' cost model (:mod:`mpiattn.strategies.model`): the compute of
-    :func:`flops`, shared by the ranks; pass-KV a ring phase of ``P - 1`` steps that hides
-    behind the compute as a ring's does; pass-Q two collectives that hide nothing (module
-    docstring for the words). One rank: pass-Q (nothing travels, nothing is copied).
+    ``pairs``: the visible keys of the chunk's rows when an ``attn_mask`` or ``mask_mod`` hides
+    some (counted; default the causal and window rules'); ``page``: the cache's rows per page;
+    ``block``: the ring's key block (default one piece per step). One rank: pass-Q (nothing
+    travels, nothing is copied).
     """
-    if P == 1:
+    if topology.P == 1:
         return Choice("pass-q", 0.0, 0.0, 0.0, 0.0)
-    acc = model.accum_bytes(itemsize)
-    compute = model.compute_time(flops(C, M, B, H, E, Ev) / P, machine, rate_dtype)
-    kv_bytes = (P - 1) * math.ceil((M + C) / P) * B * Hkv * (E + Ev) * itemsize
-    rows = math.ceil(C / P)
-    q_bytes = (P - 1) * rows * B * H * (E * itemsize + (Ev + 1) * acc)
-    kv = model.link_phase(between_nodes, kv_bytes, P - 1, ring_steps=P - 1)
-    kv_s = model.pass_time(compute, [kv], machine)
-    q_s = model.pass_time(compute, [model.link_phase(between_nodes, q_bytes, 2 * (P - 1))], machine)
-    return Choice("pass-q" if q_s < kv_s else "pass-kv", kv_s, q_s, kv_bytes, q_bytes)
+    block = block or -(-spec.M // topology.P)
+    kv, q = (model.predict(s, spec, topology, block, machine, pairs, rate_dtype)
+             for s in (PassKV(), PassQ(page)))
+    return Choice("pass-q" if q.forward_s < kv.forward_s else "pass-kv", kv.forward_s,
+                  q.forward_s, kv.inside + kv.between, q.inside + q.between)
 
 
 def runs_of(pos: np.ndarray) -> list[tuple[int, int]]:
@@ -213,5 +209,5 @@ def chunk_checks(s: Shard, length: int, q: Any, k: Any, v: Any, options: dict, l
     spec = step_spec(s, length + q.shape[2], q, Options.of(o, causal=True), **checked.flags())
     return {"q's heads": H, **o.by_field(), "variant": variant,
             "machine": name, "_n": int(q.shape[2]), "_spec": spec, **checked.agreement(),
-            "_keys": checked.mask_keys,
+            "_keys": checked.mask_keys, "_hides": checked.hides,
             "_engine": engines.local_choice(options.get("engine", "auto"), spec)}

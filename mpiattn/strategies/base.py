@@ -195,6 +195,11 @@ class Strategy:
         rows', a :class:`mpiattn.strategies.model.RowPairs`)."""
         return layout_share(row_pairs, topology.P, spec.layout)
 
+    def reads(self, spec: Any, topology: Any) -> float:
+        """Bytes the busiest rank reads from memory in a forward pass, where that can take longer
+        than its compute (a decode step's cache rows); 0: the compute bounds it."""
+        return 0.0
+
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         raise NotImplementedError
 

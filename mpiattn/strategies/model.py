@@ -4,7 +4,8 @@ For a call (:class:`~mpiattn.strategies.spec.AttentionSpec`), a topology
 (:class:`~mpiattn.comm.topology.Topology`) and a machine
 (:class:`~mpiattn.strategies.machines.Machine`)::
 
-    compute  = FLOPs x (the busiest rank's share of the visible pairs) / rate
+    compute  = max(FLOPs x (the busiest rank's share of the visible pairs) / rate,
+                 bytes it reads / memory bandwidth)   (reads: 0 but a decode step's)
     phase    = messages x latency + max(inside / bw_inside, between / bw_between')
                bw_between' = min(bw_between, node_bandwidth / sharing)
     pass     = compute + the phases that cannot overlap
@@ -24,11 +25,11 @@ rules; documents and padding are not counted (the model then overestimates
 the compute, alike for every strategy). ``auto`` takes the candidate with the
 smallest predicted forward+backward time among those whose memory per rank
 fits the machine's (:func:`choose`); ``python -m mpiattn plan`` prints the
-whole table. The inference calls are priced by the same functions: a decode
-step (:func:`mpiattn.inference.decode.predict_step`: compute or its memory
-read, whichever is longer, then the tree merge's phase) and a chunked
-prefill's two variants (:func:`mpiattn.inference.prefill.choose`: pass-KV a
-ring phase, pass-Q two collectives).
+whole table. The inference calls are strategies of their own, priced by
+:func:`predict` alike (:mod:`mpiattn.inference.pricing`): a decode step
+(compute or its memory read, :meth:`~mpiattn.strategies.base.Strategy.reads`,
+whichever is longer, then the tree merge's phase) and a chunked prefill's
+two variants (pass-KV a ring, pass-Q two collectives).
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import backend
 from ..layouts import all_segments
 from .base import Phase, Strategy
 from .machines import Machine
 
-__all__ = ["Prediction", "RowPairs", "flops_per_pair", "compute_time", "link_phase", "pass_time",
+__all__ = ["Prediction", "RowPairs", "flops_per_pair", "compute_time", "pass_time",
            "predict", "choose"]
 
 #: Backward FLOPs per forward FLOP (five GEMMs per tile against two).
@@ -168,25 +168,11 @@ def flops_per_pair(B: int, H: int, E: int, Ev: int) -> float:
     return 2.0 * B * H * (E + Ev)
 
 
-def accum_bytes(itemsize: int) -> int:
-    """Bytes of one accumulation word of inputs of ``itemsize`` bytes
-    (:func:`mpiattn.backend.accum_dtype`: float64 for float64, else float32): what partial
-    results (``o``, ``lse``) travel in."""
-    return backend.accum_dtype(np.dtype(f"f{int(itemsize)}")).itemsize
-
-
 def compute_time(flops: float, machine: Machine, rate_dtype: Any, read_bytes: float = 0.0) -> float:
     """Seconds of ``flops`` forward FLOPs at the machine's rate for ``rate_dtype``, or of reading
     ``read_bytes`` from memory at its bandwidth (a decode step), whichever is longer."""
     read = read_bytes / machine.memory_bandwidth if machine.memory_bandwidth > 0 else 0.0
     return max(flops / machine.rate(rate_dtype), read)
-
-
-def link_phase(between_nodes: bool, nbytes: float, messages: int, ring_steps: int = 0) -> Phase:
-    """A phase of ``nbytes`` in ``messages`` over one link class (between nodes, or inside
-    one); ``ring_steps`` > 0: a ring's, which hides behind the compute step by step."""
-    side = {"between": float(nbytes)} if between_nodes else {"inside": float(nbytes)}
-    return Phase(messages=messages, overlap=ring_steps > 0, steps=ring_steps, **side)
 
 
 def _link_times(p: Phase, machine: Machine) -> tuple[float, float]:
@@ -241,7 +227,8 @@ def predict(strategy: Strategy, spec: Any, topology: Any, block: int, machine: M
     rate = machine.rate(rate_dtype or spec.dtype)
     bwd_rate = rate * machine.backward_ratio
     share = strategy.work(spec, topology, pairs)
-    fwd_compute = total * share / rate
+    fwd_compute = compute_time(total * share, machine, rate_dtype or spec.dtype,
+                               strategy.reads(spec, topology))
     bwd_compute = BACKWARD_FLOPS * total * share / bwd_rate
     fwd_phases = strategy.traffic(spec, topology, block, backward=False)
     bwd_phases = strategy.traffic(spec, topology, block, backward=True)

@@ -34,7 +34,7 @@ from .base import Strategy
 from .blocked import Attend
 from .spec import SKIP_FINITE, AttentionSpec, Options
 
-__all__ = ["Problem", "Arguments", "validate"]
+__all__ = ["Problem", "Arguments", "validate", "visible_pairs"]
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ def _key_layout(options: Options, N: int, M: int) -> Any:
 PAIRS_LIMIT = 2**22
 
 
-def _visible_pairs(c: Comm, spec: AttentionSpec, mods: Modifiers) -> np.ndarray:
+def visible_pairs(c: Comm, spec: AttentionSpec, mods: Modifiers) -> np.ndarray:
     """The visible keys of every global query row under the rules, ``attn_mask`` and ``mask_mod``
     (each rank counts its rows, :func:`mpiattn.masks.counts.visible_keys`; collective)."""
     segs = all_segments(spec.N, c.size, spec.layout)
@@ -328,7 +328,7 @@ def validate(c: Comm, args: Arguments) -> Problem:
         hides = any(g["_hides"] for g in got)
         pairs = None
         if registry.needs_choice(options.strategy) and hides:
-            pairs = _visible_pairs(c, spec, mods)
+            pairs = visible_pairs(c, spec, mods)
         strategy, strategy_reason = registry.resolve(spec, c.topology, block, got[0]["_machine"],
                                                      pairs=pairs)
     prepare(c, q, k, v)  # every rank is here, with the same backend

@@ -14,8 +14,11 @@ import pytest
 from mpi4py import MPI
 
 import mpiattn
+from mpiattn.comm.topology import Topology
+from mpiattn.inference.decode import predict_step
 from mpiattn.inference.prefill import choose
-from mpiattn.strategies import machines
+from mpiattn.inference.pricing import PassKV, PassQ, chunk_spec
+from mpiattn.strategies import machines, model
 
 from helpers import host, reference
 
@@ -53,15 +56,86 @@ def test_chunked_prefill_equals_full_attention(comm, xp, variant, window, layout
     np.testing.assert_allclose(host(got[0]), ref.out[:, :, pos - 2:pos], atol=1e-12)
 
 
+def _chunk(C, cached, dtype="float16", window=None, B=1, H=32, Hkv=8, E=128, Ev=128,
+           layout="contiguous"):
+    return chunk_spec(B, H, Hkv, C, cached, E, Ev, dtype, window, layout)
+
+
 def test_the_rule_picks_pass_q_for_short_chunks_and_pass_kv_for_long_ones():
-    m = machines.PROFILES["h200-nvlink-ndr"]
-    args = dict(B=1, H=32, Hkv=8, E=128, Ev=128, itemsize=2, machine=m, rate_dtype="bfloat16")
-    assert choose(8, 128, 1_000_000, between_nodes=True, **args).variant == "pass-q"
-    assert choose(8, 128_000, 0, between_nodes=True, **args).variant == "pass-kv"
-    cpu = dict(args, machine=machines.PROFILES["cpu-node"], rate_dtype="float32", itemsize=4)
-    assert choose(2, 1, 100_000, between_nodes=False, **cpu).variant == "pass-q"
-    assert choose(2, 100_000, 1_000, between_nodes=False, **cpu).variant == "pass-kv"
-    assert choose(1, 100, 100, between_nodes=False, **cpu).variant == "pass-q"
+    m, eight_nodes = machines.PROFILES["h200-nvlink-ndr"], Topology.blocks(8, 1)
+    assert choose(_chunk(128, 1_000_000), eight_nodes, m, rate_dtype="bfloat16").variant == "pass-q"
+    assert choose(_chunk(128_000, 0), eight_nodes, m, rate_dtype="bfloat16").variant == "pass-kv"
+    cpu, node = machines.PROFILES["cpu-node"], Topology.blocks(2, 2)
+    assert choose(_chunk(1, 100_000, "float32"), node, cpu).variant == "pass-q"
+    assert choose(_chunk(100, 100, "float32"), Topology.blocks(1, 1), cpu).variant == "pass-q"
+    # MQA over two nodes: pass-KV's few bytes hide behind the compute when its query rows are
+    # balanced (zigzag); contiguous rows leave the second rank three quarters of the causal pairs
+    two_nodes = Topology.blocks(2, 1)
+    mqa = dict(dtype="float32", Hkv=1)
+    assert choose(_chunk(20_000, 0, layout="zigzag", **mqa), two_nodes, cpu).variant == "pass-kv"
+    contiguous = choose(_chunk(20_000, 0, **mqa), two_nodes, cpu)
+    assert contiguous.variant == "pass-q"
+    assert contiguous.pass_kv_s == pytest.approx(1.5 * contiguous.pass_q_s, rel=0.01)
+
+
+def test_the_variants_bytes_and_compute_are_their_formulas_windows_counted():
+    """pass-Q sends ceil(C / P) query rows to each other rank and gets (Ev + 1) accumulation words
+    of each back; pass-KV each rank's (M + C) / P key rows round the ring. The compute: the
+    visible pairs of the chunk (causal after the cache, a window's w + 1 keys a row), pass-KV's
+    shared by the query rows' ranks, pass-Q's by the ranks holding the visible keys' pages."""
+    m, P = machines.PROFILES["cpu-node"], 4
+    topo = Topology.blocks(P, P)
+    B, H, Hkv, E, Ev, C, M0 = 2, 8, 2, 16, 8, 1000, 50_000
+    spec = _chunk(C, M0, "float32", None, B, H, Hkv, E, Ev)
+    ch = choose(spec, topo, m)
+    assert ch.pass_q_bytes == (P - 1) * 250 * B * H * (E * 4 + (Ev + 1) * 4)
+    assert ch.pass_kv_bytes == pytest.approx((P - 1) * (M0 + C) / P * B * Hkv * (E + Ev) * 4)
+    per_pair = 2 * B * H * (E + Ev) / m.rate("float32")
+    full = C * M0 + C * (C + 1) / 2
+    for w, pairs, holders in ((None, full, P), ((300, 0), C * 301, 1), ((20_000, 0), C * 20_001, 4)):
+        spec = _chunk(C, M0, "float32", w, B, H, Hkv, E, Ev)
+        kv, q = (model.predict(s, spec, topo, 512, m) for s in (PassKV(), PassQ(page=4096)))
+        assert q.compute_s == pytest.approx(per_pair * pairs / holders)
+        last = np.arange(C - C // P, C)  # contiguous rows: the last rank's see the most keys
+        busiest = np.minimum(M0 + last + 1, np.inf if w is None else w[0] + 1).sum()
+        assert kv.compute_s == pytest.approx(per_pair * busiest)
+
+
+def test_a_decode_step_reads_the_keys_its_window_leaves(comm):
+    m, P = machines.PROFILES["cpu-node"], 4
+    topo = Topology.blocks(P, P)
+    B, H, Hkv, E, Ev, M0 = 1, 8, 2, 64, 64, 1_000_000
+    row = B * Hkv * (E + Ev) * 4 / m.memory_bandwidth
+    full = predict_step(_chunk(1, M0, "float32", None, B, H, Hkv, E, Ev), topo, m)
+    assert full["read_s"] == pytest.approx((M0 + 1) / P * row)
+    short = predict_step(_chunk(1, M0, "float32", (1000, 0), B, H, Hkv, E, Ev), topo, m)
+    assert short["read_s"] == pytest.approx(1001 * row)  # one page: one rank reads them all
+    assert short["compute_s"] == pytest.approx(2 * B * H * (E + Ev) * 1001 / m.rate("float32"))
+    assert short["merge_bytes"] == full["merge_bytes"] == B * H * (Ev + 1) * 4
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_prefill_counts_the_pairs_a_mask_mod_hides(comm, monkeypatch):
+    """With a mask_mod, ``variant="auto"`` prices the chunk on its counted visible pairs (the
+    function given absolute positions): compared with a dense count written out here."""
+    from mpiattn.inference import cache as cache_module
+    seen = []
+    real = cache_module.choose
+    monkeypatch.setattr(cache_module, "choose",
+                        lambda spec, topo, machine, pairs, **kw: seen.append(pairs) or
+                        real(spec, topo, machine, pairs, **kw))
+    Q, K, V = _seq(5)
+    n0, C = 30, 17
+    cache = mpiattn.KVCache.from_shards(mpiattn.shard(K[:, :, :n0]), mpiattn.shard(V[:, :, :n0]))
+    rule = lambda b, h, q, kv: (q + kv) % 3 != 0  # noqa: E731
+    used = {}
+    cache.prefill(*(mpiattn.shard(x[:, :, n0:n0 + C]) for x in (Q, K, V)), mask_mod=rule,
+                  variant="auto", details=used)
+    i = np.arange(n0, n0 + C)[:, None]
+    j = np.arange(n0 + C)[None, :]
+    dense = ((j <= i) & ((i + j) % 3 != 0)).sum(axis=1)
+    assert len(seen) == 1 and np.array_equal(seen[0], dense)
+    assert used["variant"] in ("pass-kv", "pass-q")
 
 
 def test_bad_prefill_chunks_fail_alike(comm):
@@ -138,7 +212,6 @@ def test_bad_cache_files_fail_alike_and_nothing_is_half_written(comm, shared_dir
     cache = mpiattn.KVCache.from_shards(mpiattn.shard(K), mpiattn.shard(V))
     cache.save(path)
     assert "exists" in _agreed(comm, lambda: cache.save(path))  # no clobbering without force
-    variants = {}
     if comm.rank == 0:
         with open(path, "rb") as f:
             data = f.read()
