@@ -13,7 +13,8 @@
 #     for ring, double-ring, every hybrid split (both placements), allgather and ulysses
 #     (FlashAttention's shape sweep included) - two_nodes' files and subset, and more; the
 #     score modifiers on the two-level strategies (tests/attention/test_modifiers.py: hybrid
-#     splits and the double ring);
+#     splits and the double ring); score_mod on every strategy, NumPy (ScoreMod) and torch
+#     (autograd, captured tensors' gradients), against a float64 torch autograd reference;
 #   * interleaved (-per-host 1: nodes {0,2}, {1,3}): topology, traffic and the contract suite of
 #     the two-level strategies without the shape sweep;
 #   * the search over the contract (tests/attention/test_property.py: hypothesis' drawn calls,
@@ -74,10 +75,11 @@ pytest_on() {  # pytest_on LIMIT LOG MPIEXEC-ARGS... -- PYTEST-ARGS...
     return "${PIPESTATUS[0]}"
 }
 
-step "on 2 hosts x 2 ranks: the two-host tests, topology, traffic, model, links, decode, contract suite"
+step "on 2 hosts x 2 ranks: the two-host tests, topology, traffic, model, links, decode, contract suite, score_mod"
 pytest_on 420 blocks -n 4 -- -s tests/two_hosts/test_on_two_hosts.py tests/core/test_topology.py \
     tests/attention/test_traffic.py tests/attention/test_model.py tests/attention/test_links.py \
     tests/inference/test_decode.py tests/attention/test_contract.py tests/attention/test_modifiers.py \
+    tests/attention/test_score_mod.py tests/torch_interface/test_torch_score_mod.py \
     -k "(not test_contract and not test_every_modifier) or (test_contract and (ring or hybrid or allgather or ulysses)) or (test_every_modifier and (hybrid or double-ring))"
 blocks_rc=$?
 
