@@ -112,7 +112,10 @@ class ScoreMod:
     Notes
     -----
     On CuPy the arguments are device arrays, so tables the functions capture must live on
-    the device too (``cupy.asarray(bias)`` once, outside the function).
+    the device too (``cupy.asarray(bias)`` once, outside the function). On NumPy the function
+    runs once per piece of a tile, each operation a pass over the piece: a table read is its
+    main cost, and ``np.take(table.ravel(), h * width + col)`` costs about half of
+    ``table[h, col]`` (``benchmarks/score_modifiers/README.md``).
 
     Examples
     --------
