@@ -182,11 +182,21 @@ class Modifiers:
             return self.score_mod
         return None if self.softcap is None else Softcap(self.softcap)
 
-    def moved(self, attn_mask: np.ndarray, head0: int) -> "Modifiers":
-        """The same modifiers with ``attn_mask`` replaced by the rows a head-sharded strategy
-        moved to this rank, ``(1 or B, 1 or h, rows, M)``, its heads from global head ``head0``
-        (ignored for one broadcast head)."""
-        return replace(self, attn_mask=attn_mask, mask_head0=int(head0) if attn_mask.shape[1] > 1 else 0)
+    @property
+    def has_rows(self) -> bool:
+        """Some modifier holds data per query row (today an ``attn_mask``): a strategy that moves
+        the queries moves it with them (:meth:`with_rows`)."""
+        return self.attn_mask is not None
+
+    def with_rows(self, move: Callable[[np.ndarray], np.ndarray], head0: int) -> "Modifiers":
+        """The same modifiers with each array held per query row, ``(1 or B, 1 or H, rows, M)``,
+        replaced by ``move(array)``: the rows a strategy moved to this rank, ``(1 or B, 1 or h,
+        rows', M)``, their heads from global head ``head0`` (ignored for one broadcast head).
+        ``move`` sees the array's head axis as given (1: one head for all)."""
+        if not self.has_rows:
+            return self
+        m = move(self.attn_mask)
+        return replace(self, attn_mask=m, mask_head0=int(head0) if m.shape[1] > 1 else 0)
 
     def __post_init__(self) -> None:
         if self.softcap is not None and self.score_mod is not None:

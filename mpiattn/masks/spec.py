@@ -175,8 +175,9 @@ class MaskSpec:
         return tuple(m for m in MODIFIERS if on[m])
 
     @property
-    def attn_mask_itemsize(self) -> int:
-        """Bytes of one ``attn_mask`` entry as the modifiers hold it: 1 (bool), 8 (float64), 0
+    def row_itemsize(self) -> int:
+        """Bytes per (query, key) pair of the modifiers' per-row data as they hold it (what moves
+        with a query row): an ``attn_mask``'s entry, 1 (bool), 8 (float64), 0
         without one."""
         return {None: 0, "bool": 1, "float": 8}[self.attn_mask]
 

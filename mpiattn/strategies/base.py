@@ -34,7 +34,7 @@ import numpy as np
 from ..kernels import engines
 
 __all__ = ["Phase", "Strategy", "Progress", "report", "blocked_memory", "heads_memory",
-           "relaid_bytes", "ring_phase", "spread_phase", "layout_share", "sends_out", "mask_bytes"]
+           "relaid_bytes", "ring_phase", "spread_phase", "layout_share", "sends_out", "row_data_bytes"]
 
 Progress = Callable[[int, int], None] | None
 
@@ -136,11 +136,12 @@ def sends_out(spec: Any) -> int:
     return int(engines.get(engines.AUTO[0] if name == "auto" else name).capabilities.needs_out)
 
 
-def mask_bytes(spec: Any, rows: float) -> float:
-    """Bytes of ``rows`` query rows of the call's ``attn_mask`` counted as a full ``(B, H, rows, M)``
-    one (bool: one byte an entry; float: float64), 0 without one: what a head-sharded strategy
-    moves at most (one broadcast head sent to each of ``P <= H`` ranks is no more)."""
-    return float(rows) * spec.B * spec.H * spec.M * spec.mask.attn_mask_itemsize
+def row_data_bytes(spec: Any, rows: float) -> float:
+    """Bytes of ``rows`` query rows of the modifiers' per-row data (an ``attn_mask``) counted as a
+    full ``(B, H, rows, M)`` array (:attr:`~mpiattn.masks.MaskSpec.row_itemsize` a pair), 0
+    without any: what a head-sharded strategy moves at most (one broadcast head sent to each of
+    ``P <= H`` ranks is no more)."""
+    return float(rows) * spec.B * spec.H * spec.M * spec.mask.row_itemsize
 
 
 def layout_share(row_pairs: Any, P: int, layout: Any) -> float:
@@ -293,7 +294,7 @@ def heads_memory(spec: Any, P: int, block: int, backward: bool, u: int, *,
     rows) and re-lays the output out at the end; the backward holds those of ``q``, ``out``
     (its statistics), ``dout``, ``k``, ``v`` and of the gradients (twice the forward's).
     """
-    mask = int(mask_bytes(spec, spec.N * u / P)) // u
+    mask = int(row_data_bytes(spec, spec.N * u / P)) // u
     return blocked_memory(spec, P, block, backward, heads=u, span=u, circulation=circulation,
                           moved=relaid_bytes(spec, P, out=False) + mask,
                           moved_backward=2 * relaid_bytes(spec, P, out=True) + mask, exchange=True)

@@ -41,7 +41,7 @@ import numpy as np
 from .. import backend
 from ..comm.device import configure
 from ..layouts import Layout, all_segments, local_lengths
-from .base import (Phase, Strategy, blocked_memory, heads_memory, mask_bytes, relaid_bytes,
+from .base import (Phase, Strategy, blocked_memory, heads_memory, row_data_bytes, relaid_bytes,
                    ring_phase, sends_out, spread_phase)
 from .heads import to_heads, to_rows
 from .ring import Ring
@@ -161,8 +161,8 @@ class Hybrid(Strategy):
         groups = self._groups(topology)
         q, o = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev
         kv_dest = spec.B * hkv * (spec.E + spec.Ev) * m  # what a member sends each other member
-        mask = mask_bytes(spec, n) / u if u > 1 else 0.0
-        if not backward:  # q, k, v (and an attn_mask) in; out, lse back
+        mask = row_data_bytes(spec, n) / u if u > 1 else 0.0
+        if not backward:  # q, k, v (and the modifiers' per-row data) in; out, lse back
             per_dest = (n * (q + o) * s + n * spec.B * spec.H * a) / u + kv_dest * s + mask
         else:  # q, k, v, dout, out (an engine that needs it), lse, D in; dq, dk, dv back
             per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
@@ -212,10 +212,11 @@ class Hybrid(Strategy):
         m_rows = [local_lengths(s.M, c.size, s.kv_layout)[rank] for rank in groups[g]]
         spec_r = replace(s, H=hq, Hkv=len(kv_heads[j]), layout=q_lay, kv_layout=k_lay)
         pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING, heads=tuple(q_heads[j]))
-        if pb.mods is not None and pb.mods.attn_mask is not None and self.u > 1:
-            m = pb.mods.attn_mask  # the group's rows of this member's heads (or of the one head)
-            moved = to_heads(gc, m, q_heads if m.shape[1] > 1 else [[0]] * self.u, n_rows)
-            pb_r = replace(pb_r, mods=pb.mods.moved(moved, q_heads[j][0]))
+        if pb.mods is not None and pb.mods.has_rows and self.u > 1:
+            # the modifiers' per-row data: the group's rows of this member's heads (or the one head's)
+            pb_r = replace(pb_r, mods=pb.mods.with_rows(
+                lambda m: to_heads(gc, m, q_heads if m.shape[1] > 1 else [[0]] * self.u, n_rows),
+                q_heads[j][0]))
         return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r
 
     @staticmethod

@@ -146,13 +146,13 @@ def _moved(c: Comm, pb: Any, rows: dict[str, Any], back: bool = False) -> dict[s
 
 
 def _contiguous(c: Comm, pb: Any) -> Any:
-    """``pb`` relaid to the contiguous layout, its ``attn_mask`` rows moved with the queries."""
+    """``pb`` relaid to the contiguous layout, the modifiers' per-row data moved with the queries."""
     out = pb.relaid("contiguous")
     mods = pb.mods
-    if mods is None or mods.attn_mask is None:
+    if mods is None or not mods.has_rows:
         return out
-    rows = relayout_rows(c, mods.attn_mask, pb.spec.N, pb.spec.layout, "contiguous")
-    return replace(out, mods=mods.moved(rows, mods.mask_head0))
+    return replace(out, mods=mods.with_rows(
+        lambda m: relayout_rows(c, m, pb.spec.N, pb.spec.layout, "contiguous"), mods.mask_head0))
 
 
 class Materialized(Strategy):

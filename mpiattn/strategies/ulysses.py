@@ -27,7 +27,7 @@ from .. import backend
 from ..comm.core import Comm
 from ..layouts import all_segments, local_lengths
 from ..masks.ids import global_rows
-from .base import Phase, Strategy, heads_memory, mask_bytes, sends_out, spread_phase
+from .base import Phase, Strategy, heads_memory, row_data_bytes, sends_out, spread_phase
 from .blocked import KeyBlock, run_backward, run_forward
 
 __all__ = ["Ulysses"]
@@ -73,23 +73,27 @@ def _heads_to_seq(c: Comm, y: Any, n_total: int, layout: Any) -> Any:
     return xp.ascontiguousarray(got.reshape(P, B, hp, n, F).transpose(1, 0, 2, 3, 4)).reshape(B, P * hp, n, F)
 
 
-def _moved_mask(c: Comm, pb: Any) -> Any:
-    """``pb`` with its ``attn_mask`` rows moved to this rank's heads of every query (global order)."""
+def _moved_rows(c: Comm, pb: Any) -> Any:
+    """``pb`` with the modifiers' per-row data moved to this rank's heads of every query (global
+    order), as the queries are."""
     mods = pb.mods
-    if mods is None or mods.attn_mask is None:
+    if mods is None or not mods.has_rows:
         return pb
     if c.size == 1 and all_segments(pb.spec.N, 1, pb.spec.layout)[0] == [(0, pb.spec.N)]:
         return pb  # one rank whose rows are in global order already
-    m, P = mods.attn_mask, c.size
-    if m.shape[1] == 1:  # one head for all: every rank needs every row
-        m = np.broadcast_to(m, (m.shape[0], P) + m.shape[2:])
-    moved = _seq_to_heads(c, m, pb.spec.N, pb.spec.layout)
-    return replace(pb, mods=mods.moved(moved, c.rank * (pb.spec.H // P)))
+    P = c.size
+
+    def move(m: np.ndarray) -> np.ndarray:
+        if m.shape[1] == 1:  # one head for all: every rank needs every row
+            m = np.broadcast_to(m, (m.shape[0], P) + m.shape[2:])
+        return _seq_to_heads(c, m, pb.spec.N, pb.spec.layout)
+
+    return replace(pb, mods=mods.with_rows(move, c.rank * (pb.spec.H // P)))
 
 
 def _whole(c: Comm, pb: Any, kh: Any, vh: Any, mask: Any, grads: tuple = ()) -> tuple:
     """This rank's heads of every query against one block of every key (the runner's input)."""
-    pb = _moved_mask(c, pb)
+    pb = _moved_rows(c, pb)
     s = pb.spec
     pad = global_rows(c, mask, s.M, s.kv_layout) if s.mask.padding else None
     hp = s.H // pb.P
@@ -118,8 +122,8 @@ class Ulysses(Strategy):
         n, m, s = spec.N / P, spec.M / P, spec.itemsize
         a = spec.acc_dtype.itemsize
         q, o, kv = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev, spec.B * spec.Hkv * (spec.E + spec.Ev)
-        mask = mask_bytes(spec, n)
-        if not backward:  # q, k, v (and an attn_mask) in; out, lse back
+        mask = row_data_bytes(spec, n)
+        if not backward:  # q, k, v (and the modifiers' per-row data) in; out, lse back
             per_rank = n * q * s + m * kv * s + n * o * s + n * spec.B * spec.H * a + mask
             return [spread_phase(topology, range(P), per_rank / P, (5 + (mask > 0)) * (P - 1))]
         # q, k, v, dout, out (for an engine that needs it), lse and D in; dq, dk, dv back
