@@ -42,9 +42,9 @@ class Attend:
         The queries the engine gets, by global position.
     seg_k : (B, M) host int64 array or None
         The keys' global document ids.
-    tally : dict or None
-        Where a forward pass leaves what it measured: ``max_logit``, float64 ``(H,)`` of the
-        call's global heads (this rank's maxima, ``-inf`` for heads it does not hold).
+    tally : HeadMax or None
+        Where a forward pass leaves what it measured (:class:`mpiattn.masks.maxlogit.HeadMax`:
+        this rank's maxima per global query head).
     """
 
     engine: Engine
@@ -52,7 +52,7 @@ class Attend:
     mask: MaskSpec
     queries: QuerySide
     seg_k: Any = None
-    tally: dict | None = None
+    tally: Any = None
 
 
 @dataclass
@@ -98,8 +98,7 @@ def run_forward(a: Attend, q: Any, blocks: Iterator[KeyBlock], total: int,
         report(progress, i + 1, total)
     o, lse = f.result()
     if a.call.max_logit and a.tally is not None:
-        top = a.tally["max_logit"]
-        np.maximum.at(top, a.queries.heads, f.max_logit())
+        a.tally.add(a.queries.heads, f.max_logit())
     return o, lse, used
 
 

@@ -90,7 +90,7 @@ def _forward(c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
     acc = s.acc_dtype
     S, _, top = _scores(c, pb, q, k, mask)
     if top is not None and pb.tally is not None:
-        np.maximum.at(pb.tally["max_logit"], pb.query_heads(), top)
+        pb.tally.add(pb.query_heads(), top)
     m = S.max(axis=-1) if S.shape[-1] else xp.full(S.shape[:-1], -np.inf, dtype=acc)
     shift = xp.where(xp.isneginf(m), acc.type(0), m)
     Pm = xp.exp(S - shift[..., None])

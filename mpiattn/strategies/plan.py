@@ -28,6 +28,7 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import Comm, get_comm
 from ..masks.score import Score
+from ..masks.maxlogit import HeadMax
 from ..masks.sinks import add_sinks, check_sinks, sink_gradient
 from .base import Progress
 from .problem import Arguments, Problem, validate
@@ -179,17 +180,16 @@ def forward_problem(c: Comm, pb: Problem, q: Any, k: Any, v: Any, mask: Any, pro
     lse : array (B, H, n_r), the accumulation dtype
     """
     sinks = pb.sinks if sinks is None else sinks
-    if pb.spec.mask.max_logit:
-        pb = replace(pb, tally={"max_logit": np.full(pb.spec.H, -np.inf)})
+    tally = HeadMax.of(pb.spec)
+    if tally is not None:
+        pb = replace(pb, tally=tally)
     with c.abort_on_error():
         o, lse = pb.strategy.forward(c, pb, q, k, v, mask, progress)
         if sinks is not None:
             o, lse = add_sinks(o.astype(pb.spec.acc_dtype, copy=False),
                                lse.astype(pb.spec.acc_dtype, copy=False), sinks)
-    if pb.tally is not None:
-        top = np.max(np.stack(c.allgather_obj(pb.tally["max_logit"])), axis=0)
-        if details is not None:
-            details["max_logit"] = top
+    if tally is not None:
+        tally.report(c, details)
     return o.astype(pb.spec.dtype, copy=False), lse.astype(pb.spec.acc_dtype, copy=False)
 
 

@@ -65,8 +65,8 @@ class Problem:
     heads : tuple of int or None
         The global query heads of this call's arrays (a head-sharded strategy's share of a
         call); None: all ``H``.
-    tally : dict or None
-        Filled by a forward pass with what it measured (``max_logit``: float64 ``(H,)``).
+    tally : HeadMax or None
+        Filled by a forward pass with what it measured (:mod:`mpiattn.masks.maxlogit`).
     """
 
     spec: AttentionSpec
@@ -84,7 +84,7 @@ class Problem:
     mods: Any = field(default=None, compare=False, repr=False)
     sinks: Any = field(default=None, compare=False, repr=False)
     heads: tuple | None = None
-    tally: dict | None = field(default=None, compare=False, repr=False)
+    tally: Any = field(default=None, compare=False, repr=False)
 
     def q_pos(self) -> np.ndarray:
         """Global positions of this rank's queries (local order)."""
