@@ -238,14 +238,14 @@ def _spec(call, strategy="auto", engine="auto"):
     from tolerance import dtype_of
 
     opts = Options(causal=call.causal, window=call.window, strategy=strategy, engine=engine,
-                   block_size=call.block, softcap=call.softcap, max_logit=call.max_logit,
-                   scale=call.scale)
+                   block_size=call.block, scale=call.scale)
     return AttentionSpec.from_shapes(
         (call.B, call.H, call.N, call.E), (call.B, call.Hkv, call.M, call.E),
         (call.B, call.Hkv, call.M, call.Ev), dtype_of(call.dtype),
         opts, padding=call.pad, segments=call.docs, kv_segments=call.docs and _kv_ids(call),
         alibi=call.alibi is not None, attn_mask=None if call.attn_mask is None else call.attn_mask[0],
-        mask_mod=call.mask_mod is not None, sinks=call.sinks, score_mod=call.score_mod is not None)
+        mask_mod=call.mask_mod is not None, sinks=call.sinks, score_mod=call.score_mod is not None,
+        softcap=call.softcap, max_logit=call.max_logit)
 
 
 def _supported_strategies(call, topology):

@@ -61,6 +61,7 @@ from ..io.schema import WHOLE_DATASETS, check_dtype, check_whole, promoted_shape
 from ..kernels import engines
 from ..layouts import Layout, all_segments
 from ..masks.modifiers import mask_kind
+from ..masks.score import Score
 from ..strategies import Options, attention
 from . import argtypes
 from .common import Console
@@ -169,14 +170,15 @@ def cmd_prefill(args: Any, con: Console) -> int:
     q, k, v = move(inp.q), move(inp.k), move(inp.v)
     scale = inp.scale if args.scale is None else args.scale
     finite = not args.allow_nonfinite
-    options = Options(causal=True, window=window, scale=scale, softcap=args.softcap,
-                      layout=args.layout, engine=args.engine, check_finite=finite)
-    check_engine(args.engine, Settings(options, xp).spec(inp))  # as run: before any work
+    options = Options(causal=True, window=window, scale=scale, layout=args.layout,
+                      engine=args.engine, check_finite=finite)
+    st = Settings(options, xp, score=Score.of(softcap=args.softcap))
+    check_engine(args.engine, st.spec(inp))  # as run: before any work
     mods = {name: getattr(inp, name) for name in WHOLE_DATASETS if getattr(inp, name) is not None}
     used: dict = {}
     with timer.phase("forward"):
-        out, lse = attention(q, k, v, c, options=options, details=used, attn_mask=inp.attn_mask,
-                             progress=con.progress("forward"), **mods)
+        out, lse = attention(q, k, v, c, options=options, details=used, score=st.score_of(inp),
+                             progress=con.progress("forward"))
     if finite:
         check_results(c, {"out": backend.to_host(out), "lse": backend.to_host(lse)})
     cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
@@ -255,8 +257,8 @@ def cmd_decode(args: Any, con: Console) -> int:
     if q.ndim == 4:  # (another shape is the library's to refuse, exit 1)
         length = cache.length + (q.shape[2] if args.append else 0)
         check_engine(args.engine, step_spec(cache.shard, length, q, Options(
-            causal=True, window=window, scale=scale, softcap=softcap), alibi="alibi_slopes" in mods,
-            sinks="sinks" in mods, attn_mask=mask_kind(new.get("attn_mask"))))
+            causal=True, window=window, scale=scale), alibi="alibi_slopes" in mods,
+            sinks="sinks" in mods, attn_mask=mask_kind(new.get("attn_mask")), softcap=softcap))
     used: dict = {}
     with timer.phase("forward"):
         if args.append:

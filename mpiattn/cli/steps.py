@@ -23,6 +23,7 @@ from ..kernels.reference import dense_attention, dense_nbytes
 from ..layouts import Layout
 from ..masks import MaskSpec, diagonal
 from ..masks.modifiers import mask_kind
+from ..masks.score import Score
 from ..sharding import gather
 from ..strategies import AttentionSpec, Options, attention, attention_backward, registry
 from .check import check_errors
@@ -83,15 +84,16 @@ class Settings:
     device_note : str
     used : dict
         What :func:`mpiattn.attention` reports it used (``details``).
-    mask_mod : MaskMod or None
-        A named mask rule (``--mask-mod``, :mod:`mpiattn.masks.mods`).
+    score : Score
+        The score modifiers the command line gives (``--softcap``, ``--mask-mod``: a named rule
+        of :mod:`mpiattn.masks.mods`); the input's datasets join them (:meth:`score_of`).
     """
 
     options: Options
     xp: Any
     device_note: str = ""
     used: dict = field(default_factory=dict)
-    mask_mod: Any = None
+    score: Score = field(default_factory=Score)
 
     @property
     def layout_name(self) -> str:
@@ -109,8 +111,13 @@ class Settings:
                                          kv_segments=inp.kv_segment_ids is not None,
                                          alibi=inp.alibi_slopes is not None,
                                          attn_mask=mask_kind(inp.attn_mask),
-                                         mask_mod=self.mask_mod is not None,
-                                         sinks=inp.sinks is not None)
+                                         mask_mod=self.score.mask_mod is not None,
+                                         sinks=inp.sinks is not None, softcap=self.score.softcap)
+
+    def score_of(self, inp: Any) -> Score:
+        """The call's score modifiers: the command line's and the input file's arrays."""
+        return Score.of(self.score, attn_mask=inp.attn_mask, alibi_slopes=inp.alibi_slopes,
+                        sinks=inp.sinks)
 
 
 #: What a phase of the run's timer is doing, for the message when a signal ends the run.
@@ -134,8 +141,7 @@ def _compute(c: Any, con: Console, inp: Any, st: Settings, backward: bool,
     q, k, v, dout, mask = (None if a is None else move(a)
                            for a in (inp.q, inp.k, inp.v, inp.dout, inp.key_padding_mask))
     kw = dict(key_padding_mask=mask, segment_ids=inp.segment_ids, kv_segment_ids=inp.kv_segment_ids,
-              attn_mask=inp.attn_mask, mask_mod=st.mask_mod, alibi_slopes=inp.alibi_slopes,
-              sinks=inp.sinks, options=st.options)
+              score=st.score_of(inp), options=st.options)
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, progress=con.progress("forward"), details=st.used, **kw)
     results = {"out": out, "lse": lse}
@@ -239,8 +245,8 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                                   o.causal, g["q"].shape[-2], g["k"].shape[-2])), scale=o.scale,
                               key_padding_mask=g.get("key_padding_mask"),
                               segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"),
-                              softcap=o.softcap, alibi_slopes=inp.alibi_slopes,
-                              attn_mask=g.get("attn_mask"), mask_mod=st.mask_mod, sinks=inp.sinks)
+                              softcap=st.score.softcap, alibi_slopes=inp.alibi_slopes,
+                              attn_mask=g.get("attn_mask"), mask_mod=st.score.mask_mod, sinks=inp.sinks)
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
                              g.get("dout"), o.scale)
     found = c.bcast_obj(found if c.rank == 0 else None)
@@ -285,7 +291,7 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
     con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
             + (f" + {', '.join(extras)}" if extras else ""))
     window = "" if o.window is None else f", window {_window_text(o.window)}"
-    rule = "" if st.mask_mod is None else f", mask_mod {st.mask_mod.key}"
+    rule = "" if st.score.mask_mod is None else f", mask_mod {st.score.mask_mod.key}"
     con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout_name}, strategy "
             f"{o.strategy}, engine {o.engine}, scale {scale}{window}{rule}{st.device_note}")
 
@@ -352,8 +358,8 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
             "causal": st.options.causal,
             "scale": st.options.scale if st.options.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
-            "softcap": st.options.softcap,
-            "mask_mod": None if st.mask_mod is None else st.mask_mod.key,
+            "softcap": st.score.softcap,
+            "mask_mod": None if st.score.mask_mod is None else st.score.mask_mod.key,
             "block_size": st.options.block_size, "engine": st.options.engine,
             "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
             "input_path": inp.info["path"], "input_size": inp.info["size"],
@@ -421,9 +427,10 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     options = Options(causal=causal, scale=scale, window=window, layout=layout, kv_layout=kv_layout,
                       strategy=args.strategy, engine=getattr(args, "engine", "auto"),
                       machine=getattr(args, "machine", None),
-                      block_size=args.block_size, softcap=getattr(args, "softcap", None),
+                      block_size=args.block_size,
                       check_finite=False)  # read_input checked them (unless --allow-nonfinite)
-    st = Settings(options, xp, note, mask_mod=getattr(args, "mask_mod", None))
+    st = Settings(options, xp, note, score=Score.of(softcap=getattr(args, "softcap", None),
+                                                    mask_mod=getattr(args, "mask_mod", None)))
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
     check_arguments(c, inp, st)
     io.check_space(output, output_bytes(inp, backward), c)  # before computing

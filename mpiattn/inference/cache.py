@@ -322,10 +322,10 @@ class KVCache:
             a query that sees no key.
         """
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
-                        softcap=softcap, engine=engine, check_finite=check_finite)
+                        engine=engine, check_finite=check_finite)
         return decode(self.comm, self.shard, self.length, q, settings, details,
                       Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
-                               mask_mod=mask_mod, score_mod=score_mod))
+                               mask_mod=mask_mod, score_mod=score_mod, softcap=softcap))
 
     def plan_attend(self, q: Any, *, causal: bool = True, window: Any = None,
                     scale: float | None = None, softcap: float | None = None,
@@ -350,10 +350,10 @@ class KVCache:
         ...     out, lse = plan(q)
         """
         settings = dict(causal="bottom-right" if causal else False, window=window, scale=scale,
-                        softcap=softcap, engine=engine, check_finite=check_finite)
+                        engine=engine, check_finite=check_finite)
         return DecodePlan(self.comm, self.shard, lambda: self.length, q, settings,
                           Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
-                                   mask_mod=mask_mod, score_mod=score_mod))
+                                   mask_mod=mask_mod, score_mod=score_mod, softcap=softcap))
 
     def prefill(self, q: Any, k: Any, v: Any, *, layout: Any = "contiguous", variant: str = "auto",
                 window: Any = None, scale: float | None = None, softcap: float | None = None,
@@ -399,11 +399,10 @@ class KVCache:
             On every rank alike.
         """
         c, s = self.comm, self.shard
-        options = dict(window=window, scale=scale, softcap=softcap, engine=engine,
-                       check_finite=check_finite)
+        options = dict(window=window, scale=scale, engine=engine, check_finite=check_finite)
         kept: dict = {}
         score = Score.of(score, alibi_slopes=alibi_slopes, sinks=sinks, attn_mask=attn_mask,
-                         mask_mod=mask_mod, score_mod=score_mod)
+                         mask_mod=mask_mod, score_mod=score_mod, softcap=softcap)
         got = c.agree(lambda: chunk_checks(s, self.length, q, k, v, options, layout, variant,
                                            machine, score, kept), call="KVCache.prefill")
         with errors.alike():

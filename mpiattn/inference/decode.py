@@ -22,7 +22,6 @@ pairs), words read ``M / P x B Hkv (E + Ev)`` (memory bound for small
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -100,14 +99,12 @@ def _local(shard: Shard, length: int, q: Any, settings: dict, score: Score, kept
         raise ValueError("q holds no new token (t = 0)")
     if options.check_finite and not bool(xp.isfinite(q).all()):
         raise ValueError(f"q contains NaN or Inf ({SKIP_FINITE})")
-    checked = kept["score"] = Score.of(score, softcap=options.softcap,
-                                       max_logit=options.max_logit).checked(B, H, t, "replicated")
+    checked = kept["score"] = score.checked(B, H, t, "replicated")
     if checked.max_logit:
         raise ValueError("max_logit is not reported by a decode step")
     if checked.mask_keys not in (None, length):
         raise ValueError(f"attn_mask must span the whole cache: its last axis must be {length} "
                          f"(the cache's length, the new tokens' keys appended), got {checked.mask_keys}")
-    options = replace(options, softcap=checked.softcap)
     spec = step_spec(shard, length, q, options, **checked.flags())
     return {"q's shape (B, H, t, E)": tuple(q.shape), "q's dtype": str(q.dtype),
             "q's values (CRC-32)": checksum(q), **options.by_field(), **checked.agreement(),
@@ -232,8 +229,7 @@ def decode(c: Comm, shard: Shard, length: int, q: Any, settings: dict,
         Filled with :meth:`Step.as_dict`.
     score : Score, optional
         The score modifiers (:class:`mpiattn.Score`: an ``attn_mask`` ``(B or 1, H or 1, t, M)``
-        with its key axis the cache's absolute positions), the same on every rank; ``settings``
-        may hold ``softcap``.
+        with its key axis the cache's absolute positions, a softcap), the same on every rank.
 
     Returns
     -------

@@ -117,7 +117,7 @@ def pass_kv(c: Comm, shard: Shard, length: int, q: Any, k: Any, v: Any, chunk_po
 
     ``chunk_pos`` are this rank's chunk rows (``0 .. C - 1``, local order by
     ``layout``); ``options`` the :class:`mpiattn.Options` fields to pass on
-    (``window``, ``scale``, ``softcap``, ``engine``, ``check_finite``, ``causal``); ``score``:
+    (``window``, ``scale``, ``engine``, ``check_finite``, ``causal``); ``score``:
     the score modifiers as given (the bottom-right diagonal ``length`` makes ALiBi's distance
     that of absolute positions; an ``attn_mask`` holds this rank's query rows, its key axis the
     absolute positions, the keys' global order here; functions given absolute query positions
@@ -205,7 +205,7 @@ def chunk_checks(s: Shard, length: int, q: Any, k: Any, v: Any, options: dict, l
                          f"multiple of {s.Hkv} and the rows the same")
     name = machines.resolve_name(machine, xp.__name__) if variant == "auto" else None
     H = int(q.shape[1])
-    checked = kept["score"] = Score.of(score, softcap=o.softcap).checked(s.B, H, int(q.shape[2]))
+    checked = kept["score"] = score.checked(s.B, H, int(q.shape[2]))
     spec = step_spec(s, length + q.shape[2], q, Options.of(o, causal=True), **checked.flags())
     return {"q's heads": H, **o.by_field(), "variant": variant,
             "machine": name, "_n": int(q.shape[2]), "_spec": spec, **checked.agreement(),

@@ -247,11 +247,11 @@ class Checked:
 
     def flags(self) -> dict:
         """The modifiers' flags of the call's :class:`~mpiattn.masks.MaskSpec` (keywords of
-        :meth:`mpiattn.strategies.spec.AttentionSpec.from_shapes`, with ``softcap`` and
-        ``max_logit`` the values :class:`mpiattn.Options` carries)."""
+        :meth:`mpiattn.strategies.spec.AttentionSpec.from_shapes`; ``softcap`` its value)."""
         return {"alibi": self.alibi is not None, "attn_mask": mask_kind(self.attn_mask),
                 "mask_mod": self.mask_mod is not None, "sinks": self.sinks is not None,
-                "score_mod": self.score_mod is not None or self.temperature is not None}
+                "score_mod": self.score_mod is not None or self.temperature is not None,
+                "softcap": self.softcap, "max_logit": self.max_logit}
 
     def with_mask(self, attn_mask: np.ndarray | None) -> "Checked":
         """The same modifiers with another checked ``attn_mask`` (a decode step's own)."""

@@ -29,7 +29,8 @@ __all__ = ["attention", "attention_backward"]
 def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
               segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
               mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
-              sinks: Any = None, score: Score | None = None, progress: Progress = None,
+              sinks: Any = None, softcap: float | None = None, max_logit: bool = False,
+              score: Score | None = None, progress: Progress = None,
               details: dict | None = None, **options: Any) -> tuple[Any, Any]:
     """Exact softmax attention over a sequence sharded across ranks.
 
@@ -86,6 +87,15 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
         One more term ``exp(sinks[h])`` in every row's softmax denominator
         (:mod:`mpiattn.masks.sinks`); ``lse`` includes it, and a query that
         sees no key gets ``out = 0``, ``lse = sinks[h]``.
+    softcap : float, optional
+        Cap the scores: ``c tanh(scale q . k / c)`` before any bias or mask (Gemma 2;
+        :mod:`mpiattn.masks.softcap`). Not with ``score_mod``.
+    max_logit : bool
+        Report the largest ``scale q . k`` of a visible pair per query head in ``details``
+        (:mod:`mpiattn.masks.maxlogit`).
+    score : mpiattn.Score, optional
+        The score modifiers as one object (the keywords above add to it; one given both ways
+        is a ValueError).
     progress : callable(done, total), optional
         Called on every rank after each block step.
     details : dict, optional
@@ -103,8 +113,7 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
         rank), ``strategy`` (``"auto"``, ``"ring"``, ``"allgather"``,
         ``"ulysses"``, ``"materialized"``), ``engine`` (``"auto"``, i.e. the
         native engine, ``"native"`` or ``"torch"``), ``block_size``,
-        ``check_finite`` (default True), ``softcap`` (scores
-        ``c tanh(scale q . k / c)``) and ``max_logit``.
+        and ``check_finite`` (default True).
 
     Returns
     -------
@@ -144,7 +153,8 @@ def attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any
     plan = plan_attention(q, k, v, comm, key_padding_mask=key_padding_mask,
                           segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                           attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
-                          alibi_slopes=alibi_slopes, sinks=sinks, score=score, **options)
+                          alibi_slopes=alibi_slopes, sinks=sinks, softcap=softcap,
+                          max_logit=max_logit, score=score, **options)
     if details is not None:
         details.update(plan.details())
     return plan.run_forward(q, k, v, key_padding_mask, progress, details=details)
@@ -154,6 +164,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
                        key_padding_mask: Any = None, segment_ids: Any = None,
                        kv_segment_ids: Any = None, attn_mask: Any = None, mask_mod: Any = None,
                        score_mod: Any = None, alibi_slopes: Any = None, sinks: Any = None,
+                       softcap: float | None = None, max_logit: bool = False,
                        score: Score | None = None, progress: Progress = None,
                        details: dict | None = None, **options: Any) -> tuple:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
@@ -171,7 +182,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
     comm, key_padding_mask, segment_ids, kv_segment_ids, progress, details, **options
         As in :func:`attention`; pass the same values as to the forward call
         (the engine may differ: the gradients only need ``out`` and ``lse``).
-    attn_mask, mask_mod, score_mod, alibi_slopes, sinks, score
+    attn_mask, mask_mod, score_mod, alibi_slopes, sinks, softcap, max_logit, score
         As in :func:`attention` (the same values as the forward call's; ``score_mod`` with its
         derivative: a ``ScoreMod(fn, grad)``).
 
@@ -207,7 +218,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, co
                                grads={"dout": dout, "out": out, "lse": lse}, settings=options,
                                score=Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod,
                                               score_mod=score_mod, alibi_slopes=alibi_slopes,
-                                              sinks=sinks)))
+                                              sinks=sinks, softcap=softcap, max_logit=max_logit)))
     if details is not None:
         details.update(pb.details())
     return backward_problem(c, pb, dout, q, k, v, out, lse, key_padding_mask, progress)

@@ -227,7 +227,8 @@ def backward_problem(c: Comm, pb: Problem, dout: Any, q: Any, k: Any, v: Any, ou
 def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask: Any = None,
                    segment_ids: Any = None, kv_segment_ids: Any = None, attn_mask: Any = None,
                    mask_mod: Any = None, score_mod: Any = None, alibi_slopes: Any = None,
-                   sinks: Any = None, score: Score | None = None, **options: Any) -> AttentionPlan:
+                   sinks: Any = None, softcap: float | None = None, max_logit: bool = False,
+                   score: Score | None = None, **options: Any) -> AttentionPlan:
     """Validate, agree and plan an attention call once (collective); see the module docstring.
 
     Parameters
@@ -240,7 +241,7 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
         A mask of the shape later calls pass (its values may differ per call).
     segment_ids, kv_segment_ids : integer arrays, optional
         The documents: part of the plan (gathered once; another set needs another plan).
-    attn_mask, mask_mod, score_mod, alibi_slopes : optional
+    attn_mask, mask_mod, score_mod, alibi_slopes, softcap, max_logit : optional
         Score modifiers (as :func:`mpiattn.attention`): part of the plan.
     sinks : array (H,), optional
         The sinks; a call may pass new values (``forward(..., sinks=)``), e.g. a training step's.
@@ -273,7 +274,7 @@ def plan_attention(q: Any, k: Any, v: Any, comm: Any = None, *, key_padding_mask
                                kv_segment_ids=kv_segment_ids, settings=options,
                                score=Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod,
                                               score_mod=score_mod, alibi_slopes=alibi_slopes,
-                                              sinks=sinks)))
+                                              sinks=sinks, softcap=softcap, max_logit=max_logit)))
     B, H, n, _ = q.shape
     shapes = {"q": (tuple(q.shape), q.dtype), "k": (tuple(k.shape), k.dtype),
               "v": (tuple(v.shape), v.dtype), "dout": ((B, H, n, v.shape[3]), q.dtype),

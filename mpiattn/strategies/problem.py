@@ -214,7 +214,7 @@ class _Rank:
         segment_ids, kv_segment_ids = a.segment_ids, a.kv_segment_ids
         settings = dict(a.settings)
         options = Options.of(settings.pop("options", None), **settings)
-        score = Score.of(a.score, softcap=options.softcap, max_logit=options.max_logit)
+        score = a.score if a.score is not None else Score()
         if options.strategy != "auto":
             registry.get(options.strategy)  # an unknown name or configuration raises here
         if options.engine not in engines.NAMES:
@@ -233,7 +233,6 @@ class _Rank:
         if kv_segment_ids is not None:
             self.seg_k = local_ids("kv_segment_ids", kv_segment_ids, (B, m), xp)
         checked = self.score = score.checked(B, H, n)
-        options = replace(options, softcap=checked.softcap, max_logit=checked.max_logit)
         if "dout" in extra and checked.score_mod is not None and not getattr(
                 checked.score_mod, "differentiable", True):
             raise ValueError("score_mod has no derivative: a backward needs mpiattn.ScoreMod(fn, grad), "

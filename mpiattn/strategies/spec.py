@@ -26,7 +26,7 @@ import numpy as np
 from .. import backend
 from ..layouts import check_block_size, check_layout, layout_key
 from ..masks import MaskSpec, check_causal, check_window, diagonal, softmax_scale
-from ..masks.softcap import check_softcap
+from ..masks.score import NAMES as SCORE_NAMES
 
 __all__ = ["Options", "AttentionSpec", "SKIP_FINITE"]
 
@@ -71,12 +71,10 @@ class Options:
         ``"hybrid"``): a profile of :data:`mpiattn.strategies.machines.PROFILES`
         or a JSON file written by ``python -m mpiattn calibrate``; default the
         environment variable ``MPIATTN_MACHINE``, else the device's profile.
-    softcap : float, optional
-        Cap the scores: ``c tanh(scale q . k / c)`` before any bias or mask
-        (Gemma 2; :mod:`mpiattn.masks.modifiers`).
-    max_logit : bool
-        Return the largest ``scale q . k`` of a visible pair per query head
-        (``details["max_logit"]``, float64 ``(H,)``, over every rank).
+
+    The score modifiers (softcap, max_logit, ALiBi, masks, sinks, score functions) are not
+    options: they are :class:`mpiattn.Score`'s, given as keywords of the calls or as one
+    ``score=``.
 
     Raises
     ------
@@ -95,8 +93,6 @@ class Options:
     block_size: int | None = None
     check_finite: bool = True
     machine: str | None = None
-    softcap: float | None = None
-    max_logit: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "causal", check_causal(self.causal))
@@ -117,10 +113,6 @@ class Options:
             raise TypeError(f"machine must be a profile name or a file path (str), got {self.machine!r}")
         object.__setattr__(self, "block_size", check_block_size(self.block_size, "attention"))
         object.__setattr__(self, "check_finite", bool(self.check_finite))
-        object.__setattr__(self, "softcap", check_softcap(self.softcap))
-        if not isinstance(self.max_logit, (bool, np.bool_)):
-            raise TypeError(f"max_logit must be True or False, got {self.max_logit!r}")
-        object.__setattr__(self, "max_logit", bool(self.max_logit))
 
     @classmethod
     def of(cls, options: "Options | None" = None, **keywords: Any) -> "Options":
@@ -135,6 +127,10 @@ class Options:
         if not isinstance(base, cls):
             raise TypeError(f"options must be mpiattn.Options, got {type(base).__name__}")
         unknown = sorted(set(keywords) - {f.name for f in fields(cls)})
+        modifiers = [k for k in unknown if k in SCORE_NAMES]
+        if modifiers:
+            raise TypeError(f"{modifiers[0]} is a score modifier, not an option: give it to the call "
+                            f"({modifiers[0]}=...) or in a mpiattn.Score (score=...)")
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; the options "
                             f"are {', '.join(f.name for f in fields(cls))}")
@@ -207,8 +203,8 @@ class AttentionSpec:
     def from_shapes(cls, q: tuple, k: tuple, v: tuple, dtype: Any, options: Options | None = None,
                     *, device: str = "numpy", padding: bool = False, segments: bool = False,
                     kv_segments: bool = False, alibi: bool = False, attn_mask: str | None = None,
-                    mask_mod: bool = False, sinks: bool = False,
-                    score_mod: bool = False) -> "AttentionSpec":
+                    mask_mod: bool = False, sinks: bool = False, score_mod: bool = False,
+                    softcap: float | None = None, max_logit: bool = False) -> "AttentionSpec":
         """The spec of a call on shapes ``q (B, H, N, E)``, ``k (B, Hkv, M, E)``, ``v (B, Hkv, M,
         Ev)``: the one constructor (global shapes to plan or estimate a run; a rank's local
         shapes inside a validation, whose agreement then sets the global lengths). The
@@ -221,8 +217,8 @@ class AttentionSpec:
         Hkv, M, Ev = int(k[1]), int(k[2]), int(v[3])
         mask = MaskSpec(causal=bool(o.causal), window=o.window, segments=segments,
                         kv_segments=kv_segments, padding=padding, diagonal=diagonal(o.causal, N, M),
-                        softcap=o.softcap, alibi=alibi, attn_mask=attn_mask, mask_mod=mask_mod,
-                        sinks=sinks, max_logit=o.max_logit, score_mod=score_mod)
+                        softcap=softcap, alibi=alibi, attn_mask=attn_mask, mask_mod=mask_mod,
+                        sinks=sinks, max_logit=max_logit, score_mod=score_mod)
         return cls(B=B, H=H, Hkv=Hkv, E=E, Ev=Ev, N=N, M=M, dtype=np.dtype(dtype), device=device,
                    scale=softmax_scale(o.scale, E), mask=mask, layout=o.layout,
                    kv_layout=o.layout if o.kv_layout is None else o.kv_layout, options=o)

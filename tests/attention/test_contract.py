@@ -244,7 +244,7 @@ def _layouts(case, P, seg):
 # ------------------------------------------------------------------ the suite
 def _options(case, strategy, engine):
     return Options(causal=case.causal, window=case.window, strategy=strategy, engine=engine,
-                   block_size=case.block, softcap=case.softcap)
+                   block_size=case.block)
 
 
 def _skip_reason(topology, strategy, engine, case, device):
@@ -263,7 +263,7 @@ def _skip_reason(topology, strategy, engine, case, device):
                                      (case.B, case.Hkv, case.m, case.ev), case.dtype,
                                      _options(case, strategy, engine), device=device, padding=case.pad,
                                      segments=case.docs, sinks=case.sinks,
-                                     score_mod=case.score_mod is not None)
+                                     score_mod=case.score_mod is not None, softcap=case.softcap)
     why = s.supports(spec, topology)
     if why is None:
         e = engines.get(engine)
@@ -322,6 +322,8 @@ def test_contract(comm, xp, strategy, engine, case):
               segment_ids=None if seg is None else mpiattn.shard(seg, axis=-1, layout=lay))
     if sinks is not None:
         kw["sinks"] = sinks
+    if case.softcap is not None:
+        kw["softcap"] = case.softcap
     if case.score_mod is not None:
         kw["score_mod"] = _score_mod(case)[0]
     used = {}

@@ -30,9 +30,9 @@ def _chosen(comm, monkeypatch, **kw):
     return pb.engine.name, pb.engine_reason
 
 
-def _spec(dtype=np.float32, device="numpy", E=8, **options):
+def _spec(dtype=np.float32, device="numpy", E=8, softcap=None, **options):
     return AttentionSpec.from_shapes((1, 2, 16, E), (1, 1, 16, E), (1, 1, 16, E), dtype,
-                                     Options(**options), device=device)
+                                     Options(**options), device=device, softcap=softcap)
 
 
 def test_engines_declare_what_they_support():

@@ -378,3 +378,30 @@ def test_a_float_mask_hiding_pairs_on_some_ranks_only(comm, strategy):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (g(out), g(lse, -1), g(grads[0]),
                                                              g(grads[1]), g(grads[2])), ref):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10, err_msg=name)
+
+
+def test_the_keywords_and_one_score_object_are_the_same_call(comm):
+    """softcap, max_logit, ALiBi and sinks given as keywords, or as one ``mpiattn.Score``, or
+    split between the two: the same bits (out, lse, gradients, max_logit) on every rank; a
+    modifier given to ``Options`` is refused with the place it belongs."""
+    rng = np.random.default_rng(12)
+    B, H, N, E = 1, 2, 6 * comm.size + 1, 4
+    X = [rng.standard_normal((B, H, N, E)) for _ in range(4)]
+    q, k, v, do = (mpiattn.shard(x) for x in X)
+    mods = dict(softcap=1.5, max_logit=True, alibi_slopes=np.array([0.5, 0.25]),
+                sinks=np.array([0.1, -0.2]))
+
+    def run(**kw):
+        used = {}
+        out, lse = mpiattn.attention(q, k, v, causal=True, details=used, **kw)
+        grads = mpiattn.attention_backward(do, q, k, v, out, lse, causal=True, **kw)
+        return (out, lse, *grads, used["max_logit"])
+
+    one = run(**mods)
+    for kw in (dict(score=mpiattn.Score(**mods)),
+               dict(score=mpiattn.Score(softcap=1.5, sinks=mods["sinks"]), max_logit=True,
+                    alibi_slopes=mods["alibi_slopes"])):
+        for a, b in zip(one, run(**kw)):
+            assert np.array_equal(a, b)
+    with pytest.raises(TypeError, match="softcap is a score modifier, not an option"):
+        mpiattn.Options.of(None, softcap=1.5)
