@@ -171,9 +171,7 @@ class Discipline:
         before), so none is left unmatched. Never raises; waits at most :data:`EXIT_WAIT_S`."""
         self._notify(self.rank)
         try:
-            from mpi4py import MPI
-
-            if self._closed or not MPI.Is_initialized() or MPI.Is_finalized():
+            if self._gone():
                 return
             end = time.monotonic() + EXIT_WAIT_S
             while not self._pred_ended and time.monotonic() < end:
@@ -197,11 +195,20 @@ class Discipline:
             self._pred_ended = True
         return who
 
+    def _gone(self) -> bool:
+        """No message may use the communicator: closed, freed underneath the Comm (mpi4py's
+        ``Free()`` leaves ``COMM_NULL``: any call on it aborts the job under Open MPI), or MPI
+        not running."""
+        from mpi4py import MPI
+
+        return (self._closed or not MPI.Is_initialized() or MPI.Is_finalized()
+                or self.mpi == MPI.COMM_NULL)
+
     def _notify(self, who: int) -> None:
         try:
             from mpi4py import MPI
 
-            if self._closed or not MPI.Is_initialized() or MPI.Is_finalized():
+            if self._gone():
                 return
             req = self.mpi.Isend([np.array([who], dtype=np.int64), MPI.INT64_T],
                                  dest=(self.rank + 1) % self.size, tag=DEPART_TAG)

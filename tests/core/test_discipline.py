@@ -197,6 +197,28 @@ def test_an_orderly_end_leaves_no_notice_unmatched(serial_only, tmp_path, n):
                                                                    for r in range(n)], (out, err)
 
 
+@pytest.mark.parametrize("how", ["user-dup", "comm-mpi"])
+def test_a_communicator_freed_under_its_comm_ends_the_job_cleanly(serial_only, tmp_path, how):
+    """A communicator freed without the Comm's ``free`` (the user's duplicate, whose freeing
+    frees the Comms made on it; or the Comm's own ``mpi``): at exit the Comm sends and takes no
+    departure notice on it (Open MPI aborts a job on any call with ``COMM_NULL``: exit code 5,
+    ``MPI_ERR_COMM``, seen in the openmpi lane)."""
+    rc, out, err = _job(tmp_path, f"""
+        import numpy as np, mpiattn
+        from mpi4py import MPI
+        from mpiattn.comm import Comm
+        user = MPI.COMM_WORLD.Dup()
+        c = Comm(user)
+        x = mpiattn.shard(np.ones((1, 1, 4 * c.size, 2)), comm=c)
+        mpiattn.attention(x, x, x, comm=c)
+        (user if {how!r} == "user-dup" else c.mpi).Free()
+        print(f"rank {{MPI.COMM_WORLD.rank}}: freed", flush=True)
+    """, 2)
+    assert rc == 0, (out, err)
+    assert sorted(re.findall(r"rank \d: freed", out)) == ["rank 0: freed", "rank 1: freed"], (out, err)
+    assert "MPI_ERR" not in out + err and "error" not in (out + err).lower(), (out, err)
+
+
 def test_a_backward_on_one_rank_only_ends_with_a_message(serial_only, tmp_path):
     """mpiattn.torch: rank 0 runs a backward, rank 1 finishes: rank 0 raises (it waited forever)."""
     pytest.importorskip("torch")
