@@ -420,8 +420,7 @@ class KVCache:
                                   window, layout)
                 pairs = None
                 if any(g["_hides"] for g in got):  # agreed: every rank counts, or none
-                    mods = score.shifted(self.length).checked(s.B, spec.H, int(q.shape[2])).modifiers()
-                    pairs = visible_pairs(c, spec, mods)
+                    pairs = visible_pairs(c, spec, kept["score"].shifted(self.length).modifiers())
                 ch = choose(spec, c.topology, machines.load(got[0]["machine"]), pairs,
                             page=self.placement.page)
                 chosen, reason = ch.variant, ch.reason

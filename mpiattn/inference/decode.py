@@ -271,5 +271,5 @@ def predict_step(spec: AttentionSpec, topology: Any, machine: Machine, pairs: An
     flops = model.flops_per_pair(spec.B, spec.H, spec.E, spec.Ev) * pairs.total
     compute = model.compute_time(flops * step.work(spec, topology, pairs), machine, dtype)
     read = model.compute_time(0.0, machine, dtype, step.reads(spec, topology))
-    return {"compute_s": compute, "read_s": read, "merge_s": pred.forward_s - max(compute, read),
+    return {"compute_s": compute, "read_s": read, "merge_s": pred.forward_s - pred.compute_s,
             "step_s": pred.forward_s, "merge_bytes": step.merge_bytes(spec)}

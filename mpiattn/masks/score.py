@@ -123,10 +123,7 @@ class Score:
         """The same Score with the functions (``mask_mod``, ``score_mod``) given query positions
         ``q_idx + offset``: a call whose query rows stand ``offset`` places into its keys' axis
         (a prefill chunk after ``offset`` cached rows) shows them their absolute positions."""
-        if offset == 0 or (self.mask_mod is None and self.score_mod is None):
-            return self
-        return replace(self, mask_mod=None if self.mask_mod is None else _ShiftedMask(self.mask_mod, offset),
-                       score_mod=None if self.score_mod is None else shift_score_mod(self.score_mod, offset))
+        return _shifted(self, offset)
 
     def given(self) -> tuple[str, ...]:
         """The names of the modifiers given, in :data:`NAMES` order."""
@@ -172,6 +169,15 @@ class _ShiftedMask:
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.fn(b, h, q_idx + self.offset, kv_idx)
+
+
+def _shifted(score: Any, offset: int) -> Any:
+    """``score`` (a :class:`Score` or :class:`Checked`) with its ``mask_mod`` and ``score_mod``
+    given query positions ``q_idx + offset``."""
+    if offset == 0 or (score.mask_mod is None and score.score_mod is None):
+        return score
+    return replace(score, mask_mod=None if score.mask_mod is None else _ShiftedMask(score.mask_mod, offset),
+                   score_mod=None if score.score_mod is None else shift_score_mod(score.score_mod, offset))
 
 
 def _absent(value: Any) -> bool:
@@ -252,6 +258,11 @@ class Checked:
                 "mask_mod": self.mask_mod is not None, "sinks": self.sinks is not None,
                 "score_mod": self.score_mod is not None or self.temperature is not None,
                 "softcap": self.softcap, "max_logit": self.max_logit}
+
+    def shifted(self, offset: int) -> "Checked":
+        """The same modifiers with the functions given query positions ``q_idx + offset``
+        (:meth:`Score.shifted`, on what was checked)."""
+        return _shifted(self, offset)
 
     def with_mask(self, attn_mask: np.ndarray | None) -> "Checked":
         """The same modifiers with another checked ``attn_mask`` (a decode step's own)."""
