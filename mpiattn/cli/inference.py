@@ -20,7 +20,7 @@
     values as queries (the same new tokens).
 
 Score modifiers: a cache is decoded with the ones it was made with
-(:func:`_modifiers`): ``decode`` uses the cache's ``sinks``,
+(:func:`_score`, the vocabulary of :mod:`mpiattn.masks.stored`): ``decode`` uses the cache's ``sinks``,
 ``alibi_slopes`` and ``softcap``; ``Q.h5`` and ``--softcap`` may repeat
 them, and give them where the cache records none, but a value that differs
 from the cache's is refused. An ``attn_mask`` belongs to the queries that
@@ -57,10 +57,10 @@ from ..comm import errors
 from ..inference import PAGE_ROWS, KVCache
 from ..inference.decode import step_spec
 from ..io import kvstore
-from ..io.schema import WHOLE_DATASETS, check_dtype, check_whole, promoted_shape
+from ..io.schema import check_dtype, promoted_shape
 from ..kernels import engines
 from ..layouts import Layout, all_segments
-from ..masks.modifiers import mask_kind
+from ..masks import stored
 from ..masks.score import Score
 from ..strategies import Options, attention
 from . import argtypes
@@ -172,9 +172,9 @@ def cmd_prefill(args: Any, con: Console) -> int:
     finite = not args.allow_nonfinite
     options = Options(causal=True, window=window, scale=scale, layout=args.layout,
                       engine=args.engine, check_finite=finite)
-    st = Settings(options, xp, score=Score.of(softcap=args.softcap))
+    st = Settings(options, xp, score=stored.from_arguments(args))
     check_engine(args.engine, st.spec(inp))  # as run: before any work
-    mods = {name: getattr(inp, name) for name in WHOLE_DATASETS if getattr(inp, name) is not None}
+    kept, kept_attrs = stored.to_file(st.score_of(inp))  # what decode applies again
     used: dict = {}
     with timer.phase("forward"):
         out, lse = attention(q, k, v, c, options=options, details=used, score=st.score_of(inp),
@@ -184,8 +184,8 @@ def cmd_prefill(args: Any, con: Console) -> int:
     cache = KVCache.from_shards(k, v, c, layout=args.layout, page=args.page, check_finite=finite)
     extra = {"out": io.Rows(backend.to_host(out), N, 2, args.layout),
              "lse": io.Rows(backend.to_host(lse), N, 2, args.layout),
-             **{name: rows_of_rank0(c, x) for name, x in mods.items()}}  # decode's defaults
-    attrs = {"causal": "bottom-right", "scale": scale, "softcap": args.softcap,
+             **{name: rows_of_rank0(c, x) for name, x in kept.items()}}  # decode's defaults
+    attrs = {"causal": "bottom-right", "scale": scale, **kept_attrs,
              "input_path": os.path.abspath(args.input),
              "window": None if window is None else [-1 if w is None else w for w in window]}
     with timer.phase("write"):
@@ -196,7 +196,7 @@ def cmd_prefill(args: Any, con: Console) -> int:
             f"strategy {used.get('strategy')}, engine {used.get('engine')}")
     con.say(f"  time     {timer.summary()}")
     con.say(f"  cache    {os.path.abspath(args.output)}: k, v ({cache.length} rows, pages of "
-            f"{cache.page}), {', '.join(['out', 'lse', *mods])}")
+            f"{cache.page}), {', '.join(['out', 'lse', *kept])}")
     return 0
 
 
@@ -233,15 +233,15 @@ def cmd_decode(args: Any, con: Console) -> int:
                 raise ValueError(f"the cache {args.cache} changed while it was being read; nothing "
                                  "was computed")
         new = kvstore.read_replicated(c, args.queries, ("q",),
-                                      (*(("k", "v") if args.append else ()), "attn_mask"), whole=True)
-        softcap, mods = _modifiers(args, meta, {n: new.pop(n) for n in WHOLE_DATASETS if n in new},
-                                   new["q"].shape)
+                                      (*(("k", "v") if args.append else ()), *stored.ROWS), whole=True)
+        given = {n: new.pop(n) for n in (*stored.WHOLE, *stored.ROWS) if n in new}
         with errors.alike():
-            if "attn_mask" in new:  # as run and prefill read it: boolean or floating point
-                try:
-                    check_dtype("attn_mask", new["attn_mask"].dtype)
-                except TypeError as exc:
-                    raise TypeError(f"{args.queries}: {exc}") from None
+            for name in stored.ROWS:  # as run and prefill read them: boolean or floating point
+                if name in given:
+                    try:
+                        check_dtype(name, given[name].dtype)
+                    except TypeError as exc:
+                        raise TypeError(f"{args.queries}: {exc}") from None
             if args.append and not {"k", "v"} <= set(new):
                 raise ValueError(f"--append needs the new tokens' k and v in {args.queries}")
             if args.append and not new["q"].shape[2:3] == new["k"].shape[2:3] == new["v"].shape[2:3]:
@@ -254,23 +254,22 @@ def cmd_decode(args: Any, con: Console) -> int:
     scale = meta["scale"] if args.scale is None else args.scale
     move = _mover(c, xp)
     q = move(new["q"])
+    for name in stored.ROWS:  # (t, L) or (H, t, L) stand for (1, 1, t, L), (1, H, t, L), as in run
+        if name in given:  # (host: the modifiers' arrays live there)
+            with errors.alike():  # (read whole: the same on every rank)
+                given[name] = stored.as_read(name, given[name].reshape(
+                    promoted_shape(name, given[name].shape)))
+    score = _score(args, meta, stored.from_file(given), stored.from_arguments(args), new["q"].shape)
     if q.ndim == 4:  # (another shape is the library's to refuse, exit 1)
         length = cache.length + (q.shape[2] if args.append else 0)
         check_engine(args.engine, step_spec(cache.shard, length, q, Options(
-            causal=True, window=window, scale=scale), alibi="alibi_slopes" in mods,
-            sinks="sinks" in mods, attn_mask=mask_kind(new.get("attn_mask")), softcap=softcap))
+            causal=True, window=window, scale=scale), **score.flags()))
     used: dict = {}
     with timer.phase("forward"):
         if args.append:
             cache.append(move(new["k"]), move(new["v"]), check_finite=finite)
-        mask = new.get("attn_mask")  # (host: the modifiers' arrays live there)
-        if mask is not None:  # (t, L) or (H, t, L) stand for (1, 1, t, L), (1, H, t, L), as in run
-            with errors.alike():  # (read whole: the same on every rank)
-                mask = mask.reshape(promoted_shape("attn_mask", mask.shape))
-            mask = mask if mask.dtype == np.bool_ else mask.astype(np.float64, copy=False)
-        out, lse = cache.attend(q, window=window, scale=scale, softcap=softcap,
-                                attn_mask=mask, engine=args.engine, check_finite=finite,
-                                details=used, **mods)
+        out, lse = cache.attend(q, window=window, scale=scale, score=score, engine=args.engine,
+                                check_finite=finite, details=used)
     if finite:
         check_results(c, {"out": backend.to_host(out), "lse": backend.to_host(lse)})
     t = int(out.shape[2])
@@ -280,8 +279,9 @@ def cmd_decode(args: Any, con: Console) -> int:
             "lse": io.Rows(backend.to_host(lse)[:, :, keep], t, 2, mine)}
     with timer.phase("write"):
         attrs = {"cache_path": os.path.abspath(args.cache), "cache_length": cache.length,
-                 "append": args.append, "engine": used.get("engine", ""), "softcap": softcap,
-                 "score_modifiers": ",".join([*mods, *(["attn_mask"] if mask is not None else [])])
+                 "append": args.append, "engine": used.get("engine", ""),
+                 **{n: getattr(score, n) for n in stored.ATTRIBUTES},
+                 "score_modifiers": ",".join(n for n in score.given() if n not in stored.ATTRIBUTES)
                  or None, **_stamp(timer)}
         files = [io.rows_target(args.output, rows, c, attrs=attrs,
                                 rule=io.REPLACE if args.force else io.NEW)]
@@ -289,7 +289,7 @@ def cmd_decode(args: Any, con: Console) -> int:
             files.append(cache.target(args.cache, rule=grown.rule, extra=carried,
                                       attrs={k: v for k, v in saved.items() if k not in _OWN}))
         io.publish(c, files, outputs=con.outputs)
-    named = [*mods, *([f"softcap {softcap:g}"] if softcap is not None else [])]
+    named = stored.described(score)
     con.say(f"mpiattn {__version__} decode: {t} new token(s) against {cache.length} cached "
             f"({c.size} rank(s), engine {used.get('engine')}){'; appended' if args.append else ''}"
             f"{'; ' + ', '.join(named) if named else ''}")
@@ -300,39 +300,28 @@ def cmd_decode(args: Any, con: Console) -> int:
     return 0
 
 
-def _modifiers(args: Any, meta: dict, given: dict, q_shape: tuple) -> tuple[float | None, dict]:
-    """decode's score modifiers, ``(softcap, {"sinks": ..., "alibi_slopes": ...})``.
-
-    The cache's (``meta``, what its prefill used) unless it records none; then those of the
-    queries file (``given``: its ``sinks`` and ``alibi_slopes``) and ``--softcap``. One that
-    repeats the cache's is accepted, one that differs is refused (a cache is decoded with the
-    modifiers it was made with); so are shapes that do not fit ``q``. Every rank decides alike:
-    ``meta`` is rank 0's, and every rank read ``given`` from one file.
+def _score(args: Any, meta: dict, given: Score, flags: Score, q_shape: tuple) -> Score:
+    """decode's score modifiers: the cache's (``meta["score"]``, what its prefill used), joined by
+    those of the queries file (``given``) and the command line (``flags``): one that repeats the
+    cache's is accepted, one that differs is refused (a cache is decoded with the modifiers it
+    was made with; :func:`mpiattn.masks.stored.joined`); so are shapes that do not fit ``q``.
+    Every rank decides alike: ``meta`` is rank 0's, and every rank read ``given`` from one file.
     """
     cache = f"the cache {args.cache}"
     with errors.alike():
-        if "attn_mask" in meta["extra"]:
-            raise ValueError(f"{cache} holds 'attn_mask', which a cache does not keep: {_NO_MASK}")
-        softcap = meta["softcap"]
-        if args.softcap is not None and softcap is not None and args.softcap != softcap:
-            raise ValueError(f"--softcap {args.softcap:g} differs from the softcap {softcap:g} "
-                             f"{cache} was made with; a cache is decoded with its own modifiers")
-        softcap = args.softcap if softcap is None else softcap
-        mods = dict(meta["whole"])
-        if len(q_shape) != 4:  # KVCache.attend refuses such a q
-            return softcap, {**given, **mods}
-        for where, whole in ((cache, mods), (args.queries, given)):
-            try:
-                check_whole({name: x.shape for name, x in whole.items()}, *q_shape[:2])
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-        for name, x in given.items():
-            if name in mods and not np.array_equal(*np.broadcast_arrays(x, mods[name])):
-                raise ValueError(f"{args.queries} holds {name} that differ from those {cache} was "
-                                 f"made with; a cache is decoded with its own modifiers (remove "
-                                 f"{name} from {args.queries})")
-            mods.setdefault(name, x)
-    return softcap, mods
+        held = [n for n in stored.ROWS if n in meta["extra"]]
+        if held:
+            raise ValueError(f"{cache} holds {held[0]!r}, which a cache does not keep: {_NO_MASK}")
+        kept = meta["score"]
+        if len(q_shape) == 4:  # (another q KVCache.attend refuses)
+            for where, held in ((cache, kept), (args.queries, given)):
+                try:
+                    stored.check_whole({n: np.shape(getattr(held, n)) for n in stored.WHOLE
+                                        if getattr(held, n) is not None}, *q_shape[:2])
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+        score = stored.joined(kept, given, cache, args.queries)
+        return stored.joined(score, flags, cache, "the command line")
 
 
 def _cache_bytes(meta: dict) -> int:

@@ -7,7 +7,7 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from ..kernels import DEFAULT_TILE, engines
 from ..kernels.reference import dense_attention, dense_nbytes
 from ..layouts import Layout
 from ..masks import MaskSpec, diagonal
-from ..masks.modifiers import mask_kind
+from ..masks import stored
 from ..masks.score import Score
 from ..sharding import gather
 from ..strategies import AttentionSpec, Options, attention, attention_backward, registry
@@ -109,15 +109,11 @@ class Settings:
                                          padding=inp.key_padding_mask is not None,
                                          segments=inp.segment_ids is not None,
                                          kv_segments=inp.kv_segment_ids is not None,
-                                         alibi=inp.alibi_slopes is not None,
-                                         attn_mask=mask_kind(inp.attn_mask),
-                                         mask_mod=self.score.mask_mod is not None,
-                                         sinks=inp.sinks is not None, softcap=self.score.softcap)
+                                         **self.score_of(inp).flags())
 
     def score_of(self, inp: Any) -> Score:
         """The call's score modifiers: the command line's and the input file's arrays."""
-        return Score.of(self.score, attn_mask=inp.attn_mask, alibi_slopes=inp.alibi_slopes,
-                        sinks=inp.sinks)
+        return Score.of(self.score, **inp.score.keywords())
 
 
 #: What a phase of the run's timer is doing, for the message when a signal ends the run.
@@ -181,7 +177,7 @@ def output_datasets(inp: Any, backward: bool) -> dict[str, tuple[tuple[int, ...]
         full.update(dq=((B, H, inp.n, E), dt), dk=((B, Hkv, inp.m, E), dt),
                     dv=((B, Hkv, inp.m, Ev), dt))
     out = {}
-    if backward and inp.sinks is not None:
+    if backward and inp.score.sinks is not None:
         out["dsinks"] = ((H,), np.dtype(np.float64).str, 0)
     for name, (shape, dtype) in full.items():
         source, fewer = _LIKE[name]
@@ -231,7 +227,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
          for name, x in [("q", inp.q), ("k", inp.k), ("v", inp.v), ("dout", inp.dout),
                          ("key_padding_mask", inp.key_padding_mask),
                          ("segment_ids", inp.segment_ids), ("kv_segment_ids", inp.kv_segment_ids),
-                         ("attn_mask", inp.attn_mask),
+                         *[(n, getattr(inp.score, n)) for n in stored.ROWS],
                          *[(n, x) for n, x in results.items() if n != "dsinks"]]
          if x is not None}
     if "dsinks" in results:
@@ -245,8 +241,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                                   o.causal, g["q"].shape[-2], g["k"].shape[-2])), scale=o.scale,
                               key_padding_mask=g.get("key_padding_mask"),
                               segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"),
-                              softcap=st.score.softcap, alibi_slopes=inp.alibi_slopes,
-                              attn_mask=g.get("attn_mask"), mask_mod=st.score.mask_mod, sinks=inp.sinks)
+                              **replace(st.score_of(inp), **{n: g.get(n) for n in stored.ROWS}).keywords())
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
                              g.get("dout"), o.scale)
     found = c.bcast_obj(found if c.rank == 0 else None)
@@ -281,8 +276,8 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
             st: Settings, backward: bool) -> None:
     """The report's first lines: what runs, on what, how."""
     shape = lambda x, n: (x.shape[0], x.shape[1], n, x.shape[3])  # noqa: E731 - global shape
-    extras = [n for n in ("dout", "key_padding_mask", "segment_ids", "kv_segment_ids", "attn_mask",
-                          "sinks", "alibi_slopes") if getattr(inp, n) is not None]
+    extras = [*(n for n in ("dout", "key_padding_mask", "segment_ids", "kv_segment_ids")
+                if getattr(inp, n) is not None), *inp.score.given()]
     o = st.options
     scale = o.scale if o.scale is not None else f"1/sqrt({inp.q.shape[3]})"
     con.say(f"mpiattn {__version__} {title}: {'forward + backward' if backward else 'forward'}, "
@@ -291,7 +286,7 @@ def _header(con: Console, title: str, c: Any, hosts: list[str], path: str, inp: 
     con.say(f"  shapes   q {shape(inp.q, inp.n)}, k {shape(inp.k, inp.m)}, v {shape(inp.v, inp.m)}"
             + (f" + {', '.join(extras)}" if extras else ""))
     window = "" if o.window is None else f", window {_window_text(o.window)}"
-    rule = "" if st.score.mask_mod is None else f", mask_mod {st.score.mask_mod.key}"
+    rule = "".join(f", {d}" for d in stored.described(st.score))
     con.say(f"  compute  {st.xp.__name__}, {inp.q.dtype}, layout {st.layout_name}, strategy "
             f"{o.strategy}, engine {o.engine}, scale {scale}{window}{rule}{st.device_note}")
 
@@ -358,8 +353,7 @@ def _output_attrs(c: Any, inp: Any, st: Settings, hosts: list[str], timer: Timer
             "gpu_transport": None if st.xp is np else getattr(c, "transport", None),
             "causal": st.options.causal,
             "scale": st.options.scale if st.options.scale is not None else 1 / math.sqrt(inp.q.shape[3]),
-            "softcap": st.score.softcap,
-            "mask_mod": None if st.score.mask_mod is None else st.score.mask_mod.key,
+            **stored.output_attributes(st.score),
             "block_size": st.options.block_size, "engine": st.options.engine,
             "engine_used": st.used.get("engine", ""), "block_size_used": st.used.get("block_size", 0),
             "input_path": inp.info["path"], "input_size": inp.info["size"],
@@ -429,8 +423,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
                       machine=getattr(args, "machine", None),
                       block_size=args.block_size,
                       check_finite=False)  # read_input checked them (unless --allow-nonfinite)
-    st = Settings(options, xp, note, score=Score.of(softcap=getattr(args, "softcap", None),
-                                                    mask_mod=getattr(args, "mask_mod", None)))
+    st = Settings(options, xp, note, score=stored.from_arguments(args))
     backward = inp.dout is not None and not getattr(args, "no_backward", False)
     check_arguments(c, inp, st)
     io.check_space(output, output_bytes(inp, backward), c)  # before computing

@@ -7,8 +7,8 @@ held it) and root attributes: ``format`` (:data:`FORMAT`),
 and ``placement`` (the append policy), ``ranks`` and ``rows_per_rank`` (the
 writer's shards). Other datasets may travel beside them (the prompt's
 attention ``out`` and ``lse`` written by ``mpiattn prefill``, and the score
-modifiers it used: the datasets ``sinks`` and ``alibi_slopes``, the
-attribute ``softcap``).
+modifiers it used, as :mod:`mpiattn.masks.stored` holds them: per-head
+datasets and root attributes).
 
 :func:`save_cache` writes through :func:`mpiattn.io.writing.write_rows`
 (each rank its own rows; published atomically, vetoed by a signal).
@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import Comm
+from ..masks import stored
 from .atomic import Target, on_rank0, publish
 from .naming import NEW, REPLACE, Rule
 from .publishing import Outputs
@@ -108,13 +109,11 @@ def _meta(path: str) -> dict:
         except ValueError as exc:
             raise ValueError(f"{path}: attribute 'window': {exc}") from None
         scale = _scale_attribute(path, attrs.get("scale"))
-        softcap = _scale_attribute(path, attrs.get("softcap"), "softcap")
-        if softcap is not None and softcap <= 0:
-            raise ValueError(f"{path}: attribute 'softcap' must be > 0, got {softcap!r}")
+        score = stored.from_file(read_whole_datasets(f, path), stored.read_attributes(attrs, path))
         B, Hkv, M, E = shapes["k"]
         return {"B": B, "Hkv": Hkv, "M": M, "E": E, "Ev": shapes["v"][3], "dtype": dtypes["k"].str,
-                "page": page, "window": window, "scale": scale, "softcap": softcap,
-                "whole": read_whole_datasets(f, path), "attrs": attrs, "identity": identity(f),
+                "page": page, "window": window, "scale": scale, "score": score,
+                "attrs": attrs, "identity": identity(f),
                 "extra": {name: tuple(int(x) for x in f[name].shape) for name in sorted(f.keys())
                           if name not in ("k", "v") and hasattr(f[name], "shape")}}
 
@@ -126,10 +125,10 @@ def read_cache_meta(c: Comm, path: str) -> dict:
     -------
     dict
         ``B, Hkv, M, E, Ev`` (int), ``dtype`` (str), ``page`` (int),
-        ``window`` (``(left, right)`` or None), ``scale`` and ``softcap``
-        (float or None) as the file's attributes say, ``whole`` (the
-        datasets ``sinks`` and ``alibi_slopes`` it holds, float64, by name:
-        :func:`~mpiattn.io.schema.read_whole_datasets`), ``attrs`` (the
+        ``window`` (``(left, right)`` or None), ``scale`` (float or None)
+        as the file's attributes say, ``score`` (the
+        :class:`~mpiattn.masks.score.Score` of the modifiers it keeps:
+        :func:`mpiattn.masks.stored.from_file`), ``attrs`` (the
         root attributes), ``identity`` (the file read), ``extra`` (the
         datasets other than ``k`` and ``v``: their shapes, by name).
 

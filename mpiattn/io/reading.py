@@ -21,6 +21,8 @@ from .. import backend
 from ..comm import errors
 from ..comm.core import get_comm
 from ..layouts import all_segments, check_layout, layout_key
+from ..masks import stored
+from ..masks.score import Score
 from .atomic import on_rank0
 from .hdf5types import BFLOAT16, bfloat16_dtype, is_bfloat16_type
 from .opening import _open_read, _same_input, identity
@@ -48,10 +50,10 @@ class Inputs:
     key_padding_mask : bool ndarray, shape (B, m_r), or None
     segment_ids, kv_segment_ids : int64 ndarray, shapes (B, n_r), (B, m_r), or None
         Document ids of the queries and of the keys.
-    attn_mask : ndarray, shape (B or 1, H or 1, n_r, M), bool or float64, or None
-        This rank's query rows of the mask.
-    sinks, alibi_slopes : float64 ndarray, shapes (H,) and (H,) or (B, H), or None
-        Read whole by every rank.
+    score : Score
+        The score modifiers the file holds (:mod:`mpiattn.masks.stored`): this rank's query
+        rows of an ``attn_mask`` ``(B or 1, H or 1, n_r, M)``, bool or float64; the per-head
+        datasets (``sinks``, ``alibi_slopes``), float64, read whole by every rank.
     n, m : int
         Global query and key/value lengths ``N`` and ``M``.
     stored_ndim : dict
@@ -82,9 +84,7 @@ class Inputs:
     kv_segment_ids: np.ndarray | None = None
     window: tuple | None = None  # the file's 'window' attribute, (left, right), None = unbounded side
     kv_layout: Any = None
-    attn_mask: np.ndarray | None = None
-    sinks: np.ndarray | None = None
-    alibi_slopes: np.ndarray | None = None
+    score: Score = field(default_factory=Score)
 
 
 def _read_segments(ds: Any, segs: list[tuple[int, int]], axis: int) -> np.ndarray:
@@ -207,15 +207,15 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
     def read() -> list:
         with _open_read(path) as f:
             seen = [identity(f)]
-            for name, stored in meta["stored"].items():
-                axis = len(stored) - SEQ_AXIS_FROM_END[name]
-                length = stored[axis]
+            for name, shape in meta["stored"].items():
+                axis = len(shape) - SEQ_AXIS_FROM_END[name]
+                length = shape[axis]
                 segs = all_segments(length, c.size, kv_layout if name in KEY_DATASETS else layout)[c.rank]
                 x = _read_segments(f[name], segs, axis)
                 if name in ("segment_ids", "kv_segment_ids"):
                     x = x.astype(np.int64, copy=False)
-                elif name == "attn_mask":  # bool, or float64 with -inf for hidden (checked later)
-                    x = x if x.dtype == np.bool_ else x.astype(np.float64, copy=False)
+                elif name in stored.ROWS:  # bool, or float64 with -inf for hidden (checked later)
+                    x = stored.as_read(name, x)
                 elif name != "key_padding_mask":
                     if check_finite:
                         row = _first_nonfinite_row(x, axis, segs)
@@ -237,8 +237,7 @@ def read_input(path: str, comm: Any = None, *, layout: Any = "contiguous", dtype
                   stored_ndim={k: len(s) for k, s in meta["stored"].items()},
                   causal=meta["causal"], scale=meta["scale"], layout=layout, info=meta["info"],
                   segment_ids=arrays.get("segment_ids"), kv_segment_ids=arrays.get("kv_segment_ids"),
-                  window=meta["window"], kv_layout=kv_layout, attn_mask=arrays.get("attn_mask"),
-                  sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))
+                  window=meta["window"], kv_layout=kv_layout, score=stored.from_file(arrays))
 
 
 def read_whole(path: str, name: str, comm: Any = None,

@@ -1,8 +1,8 @@
 """What an input file of an attention problem holds, checked on rank 0 before any data is read.
 
 The datasets (``q``, ``k``, ``v``, optionally ``dout``, the padding mask,
-the document ids and an ``attn_mask``; and, read whole, ``sinks`` and
-``alibi_slopes``), the axis of each that runs along the sequence, their
+the document ids, and the score modifiers a file may hold: the vocabulary of
+:mod:`mpiattn.masks.stored`), the axis of each that runs along the sequence, their
 stored shapes promoted to 4-D (2-D for the mask and the ids) and checked
 against each other, their dtypes, and the root attributes ``causal``,
 ``scale`` and ``window``, each checked for its type. :func:`read_meta` reads
@@ -20,21 +20,22 @@ import numpy as np
 
 from .. import backend
 from ..comm.core import get_comm
+from ..masks import stored
 from ..masks.spec import ALIGNMENTS, check_causal
 from .atomic import on_rank0
 from .hdf5types import BFLOAT16, is_bfloat16_type
 from .opening import _open_read, _plain, file_info, identity
 
 __all__ = ["SEQ_AXIS_FROM_END", "KEY_DATASETS", "WHOLE_DATASETS", "window_from_attribute",
-           "read_whole_datasets", "check_whole", "read_meta", "promoted_shape", "check_dtype"]
+           "read_whole_datasets", "read_meta", "promoted_shape", "check_dtype"]
 
-#: Input datasets and the axis (from the end) of their sequence dimension (``attn_mask``
-#: ``(B or 1, H or 1, N, M)``: its query rows, read like ``q``'s).
+#: Input datasets and the axis (from the end) of their sequence dimension (the score's datasets
+#: held by query rows, :data:`mpiattn.masks.stored.ROWS`, read like ``q``'s).
 SEQ_AXIS_FROM_END = {"q": 2, "k": 2, "v": 2, "dout": 2, "key_padding_mask": 1, "segment_ids": 1,
-                     "kv_segment_ids": 1, "attn_mask": 2}
+                     "kv_segment_ids": 1, **stored.ROWS}
 
 #: Small datasets every rank reads whole: the score modifiers' per-head numbers.
-WHOLE_DATASETS = ("sinks", "alibi_slopes")
+WHOLE_DATASETS = stored.WHOLE
 
 #: Datasets along the keys (M rows, read by the keys' layout); the others run along the queries.
 KEY_DATASETS = ("k", "v", "key_padding_mask", "kv_segment_ids")
@@ -65,18 +66,15 @@ def _real_float(dt: np.dtype) -> bool:
 
 
 def check_dtype(name: str, dt: np.dtype) -> None:
-    """TypeError unless dataset ``name`` may hold dtype ``dt`` (an ``attn_mask``: boolean or real
-    floating point; document ids: integers; the padding mask: boolean; the rest: real floating
-    point)."""
+    """TypeError unless dataset ``name`` may hold dtype ``dt`` (the score's datasets by query rows:
+    :func:`mpiattn.masks.stored.check_dtype`; document ids: integers; the padding mask: boolean;
+    the rest: real floating point)."""
     if name in ("segment_ids", "kv_segment_ids"):
         if dt.kind not in "iu":
             raise TypeError(f"dataset {name!r} has dtype {dt}; document ids must be integers")
         return
-    if name == "attn_mask":
-        if dt != np.bool_ and not _real_float(dt):
-            raise TypeError(f"dataset 'attn_mask' has dtype {dt}; it must be boolean (True = the pair "
-                            f"takes part) or real floating point ({_FLOATS}; added to the scores, "
-                            "-inf hides)")
+    if name in stored.ROWS:
+        stored.check_dtype(name, dt, _real_float(dt), _FLOATS)
         return
     if name == "key_padding_mask":
         if dt != np.bool_:
@@ -118,21 +116,7 @@ def _validate(shapes: dict[str, tuple[int, ...]]) -> None:
     if "segment_ids" in shapes and "kv_segment_ids" not in shapes and N != M:
         raise ValueError(f"segment_ids without kv_segment_ids: the keys take the query ids, "
                          f"which needs N == M (here N = {N}, M = {M})")
-    if "attn_mask" in shapes:
-        a = shapes["attn_mask"]
-        if a[0] not in (1, B) or a[1] not in (1, H) or a[2:] != (N, M):
-            raise ValueError(f"attn_mask has shape {a}, expected (B or 1, H or 1, N, M) with "
-                             f"B = {B}, H = {H}, N = {N}, M = {M}")
-
-
-def check_whole(whole: dict[str, tuple[int, ...]], B: int, H: int) -> None:
-    """Check the shapes ``whole`` (name -> shape) of ``sinks`` ((H,)) and ``alibi_slopes``
-    ((H,) or (B, H)) for queries of batch ``B`` and ``H`` heads; ValueError otherwise."""
-    if "sinks" in whole and tuple(whole["sinks"]) != (H,):
-        raise ValueError(f"sinks has shape {tuple(whole['sinks'])}, expected (H,) = ({H},)")
-    if "alibi_slopes" in whole and tuple(whole["alibi_slopes"]) not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes has shape {tuple(whole['alibi_slopes'])}, expected (H,) = "
-                         f"({H},) or (B, H) = ({B}, {H})")
+    stored.check_rows(shapes, B, H, N, M)
 
 
 def read_whole_datasets(f: Any, path: str, names: Any = WHOLE_DATASETS) -> dict[str, np.ndarray]:
@@ -174,7 +158,7 @@ def window_from_attribute(value: Any) -> tuple | None:
 def _read_meta(path: str) -> dict:
     """Metadata of an input file, validated (run on one rank)."""
     with _open_read(path) as f:
-        stored, dtypes = {}, {}
+        on_disk, dtypes = {}, {}
         for name in SEQ_AXIS_FROM_END:
             if name not in f:
                 if name in ("q", "k", "v"):
@@ -187,13 +171,13 @@ def _read_meta(path: str) -> dict:
             if not isinstance(ds, h5py.Dataset):
                 raise ValueError(f"{path}: {name!r} is a group, not a dataset")
             check_dtype(name, ds.dtype)
-            stored[name] = tuple(int(s) for s in ds.shape)
+            on_disk[name] = tuple(int(s) for s in ds.shape)
             dtypes[name] = (BFLOAT16 if is_bfloat16_type(ds.id.get_type())  # docs/file-format.md
                             else ds.dtype.newbyteorder("=").str)  # read in native byte order
-        shapes = {name: promoted_shape(name, s) for name, s in stored.items()}
+        shapes = {name: promoted_shape(name, s) for name, s in on_disk.items()}
         _validate(shapes)
         whole = {name: x.shape for name, x in read_whole_datasets(f, path).items()}
-        check_whole(whole, *shapes["q"][:2])
+        stored.check_whole(whole, *shapes["q"][:2])
         causal = _causal_attribute(path, f.attrs.get("causal"))
         scale = _scale_attribute(path, f.attrs.get("scale"))
         try:
@@ -201,7 +185,7 @@ def _read_meta(path: str) -> dict:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
         info = file_info(path, identity(f))
-    return {"stored": stored, "shapes": shapes, "dtypes": dtypes, "info": info,
+    return {"stored": on_disk, "shapes": shapes, "dtypes": dtypes, "info": info,
             "causal": causal, "scale": scale, "window": window, "whole": whole}
 
 

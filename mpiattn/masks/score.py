@@ -129,6 +129,21 @@ class Score:
         """The names of the modifiers given, in :data:`NAMES` order."""
         return tuple(n for n in NAMES if not _absent(getattr(self, n)))
 
+    def keywords(self) -> dict:
+        """The modifiers given, by name: the keywords of a call that takes them one by one (the
+        dense reference)."""
+        return {n: getattr(self, n) for n in self.given()}
+
+    def flags(self) -> dict:
+        """The flags of the call's :class:`~mpiattn.masks.MaskSpec`, from the modifiers as given (a
+        description before any check: :meth:`Checked.flags` gives the same from checked ones)."""
+        mask = self.attn_mask
+        kind = None if mask is None else "bool" if str(mask.dtype).endswith("bool") else "float"
+        return _flags(self.alibi_slopes is not None, kind,
+                      self.mask_mod is not None, self.sinks is not None,
+                      self.score_mod is not None or self.temperature is not None, self.softcap,
+                      bool(self.max_logit))
+
     def checked(self, B: int, H: int, rows: int, layout: str = "sharded") -> "Checked":
         """This rank's checks (local; raises ValueError/TypeError): :class:`Checked`.
 
@@ -178,6 +193,13 @@ def _shifted(score: Any, offset: int) -> Any:
         return score
     return replace(score, mask_mod=None if score.mask_mod is None else _ShiftedMask(score.mask_mod, offset),
                    score_mod=None if score.score_mod is None else shift_score_mod(score.score_mod, offset))
+
+
+def _flags(alibi: bool, attn_mask: str | None, mask_mod: bool, sinks: bool, transform: bool,
+           softcap: float | None, max_logit: bool) -> dict:
+    """The keywords of :meth:`mpiattn.strategies.spec.AttentionSpec.from_shapes` a score sets."""
+    return {"alibi": alibi, "attn_mask": attn_mask, "mask_mod": mask_mod, "sinks": sinks,
+            "score_mod": transform, "softcap": softcap, "max_logit": max_logit}
 
 
 def _absent(value: Any) -> bool:
@@ -254,10 +276,9 @@ class Checked:
     def flags(self) -> dict:
         """The modifiers' flags of the call's :class:`~mpiattn.masks.MaskSpec` (keywords of
         :meth:`mpiattn.strategies.spec.AttentionSpec.from_shapes`; ``softcap`` its value)."""
-        return {"alibi": self.alibi is not None, "attn_mask": mask_kind(self.attn_mask),
-                "mask_mod": self.mask_mod is not None, "sinks": self.sinks is not None,
-                "score_mod": self.score_mod is not None or self.temperature is not None,
-                "softcap": self.softcap, "max_logit": self.max_logit}
+        return _flags(self.alibi is not None, mask_kind(self.attn_mask), self.mask_mod is not None,
+                      self.sinks is not None, self.score_mod is not None or self.temperature is not None,
+                      self.softcap, self.max_logit)
 
     def shifted(self, offset: int) -> "Checked":
         """The same modifiers with the functions given query positions ``q_idx + offset``

@@ -18,7 +18,7 @@ shapes and options as it always does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import products
 from ..comm.core import Comm, get_comm
-from ..masks.score import Score
+from ..masks.score import NAMES, Score
 from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
@@ -174,8 +174,8 @@ def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
               key_padding_mask: Any = None, segment_ids: Any = None, kv_segment_ids: Any = None,
               attn_mask: Any = None, mask_mod: Any = None, score_mod: Any = None,
-              alibi_slopes: Any = None, sinks: Any = None, return_lse: bool = False,
-              progress: Any = None,
+              alibi_slopes: Any = None, sinks: Any = None, score: Score | None = None,
+              return_lse: bool = False, progress: Any = None,
               details: dict | None = None, planned: Any = None, **options: Any) -> Any:
     """Exact attention over a sequence sharded across ranks, differentiable by torch's autograd.
 
@@ -209,6 +209,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         The sinks (:mod:`mpiattn.masks.sinks`). A tensor that requires grad gets this rank's
         part of its gradient, like every replicated parameter
         (:func:`mpiattn.torch.reduce_gradients` sums the parts); the same values on every rank.
+    score : mpiattn.Score, optional
+        The score modifiers as one object (the keywords above, ``softcap`` and ``max_logit``
+        among them, may join it; one given both ways is a ValueError): the same call.
     return_lse : bool
         Also return ``lse`` (differentiable: its gradient joins the backward).
     progress, details
@@ -257,6 +260,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     torch.Size([1, 2, 5, 4])
     """
     c = get_comm(comm)
+    if score is not None:  # one object, or its fields as keywords: the same call
+        score = Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
+                         alibi_slopes=alibi_slopes, sinks=sinks,
+                         **{n: options.pop(n) for n in NAMES if n in options})
+        attn_mask, mask_mod, score_mod, alibi_slopes, sinks = (
+            score.attn_mask, score.mask_mod, score.score_mod, score.alibi_slopes, score.sinks)
+        score = replace(score, attn_mask=None, mask_mod=None, score_mod=None, alibi_slopes=None,
+                        sinks=None)  # what is left goes to the library as it is
     mod = None
     if score_mod is not None:
         mod = TorchScoreMod(score_mod, captured(score_mod) if torch.is_grad_enabled() else ())
@@ -281,6 +292,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
             raise ValueError("mpiattn.torch.attention: a plan (planned=) does not take a score_mod; "
                              "call without planned=")
         ids["score"] = Score.of(ids["score"], score_mod=mod)
+    if score is not None:
+        ids["score"] = Score.of(ids["score"], **score.keywords())
     call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host, mod)
     out, lse = _Attention.apply(q, k, v, sinks_t, call, *(() if mod is None else mod.params))
     return (out, lse) if return_lse else out

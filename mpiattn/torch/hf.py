@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from ..layouts import all_segments, local_lengths, positions
+from ..masks.score import NAMES, Score
 from . import hf_checks, hf_layers, hf_llama4
 from .functions import attention
 from .hf_layers import REFUSED_LAYERS
@@ -121,8 +122,9 @@ def register(comm: Any = None, *, name: str = NAME, layout: Any = "contiguous",
         How the sequence is sharded (the layout given to :func:`mpiattn.torch.shard`).
     **options
         More :class:`mpiattn.Options` fields for every call (``strategy``, ``engine``,
-        ``block_size``, ...); not ``causal``, ``window``, ``scale`` or ``softcap``, which each
-        layer passes.
+        ``block_size``, ...); not ``causal``, ``window`` or ``scale``, which each layer passes,
+        nor a score modifier (a :class:`mpiattn.Score` field: each layer passes its own, e.g.
+        Gemma 2's softcap, gpt-oss's sinks).
 
     Returns
     -------
@@ -136,7 +138,7 @@ def register(comm: Any = None, *, name: str = NAME, layout: Any = "contiguous",
     """
     from ..strategies import Options
 
-    taken = {"causal", "window", "scale", "softcap", "layout"} & set(options)
+    taken = {"causal", "window", "scale", "layout", "score", *NAMES} & set(options)
     if taken:
         raise TypeError(f"register() takes no {', '.join(sorted(taken))}: each layer passes them "
                         "(the layout is register's own keyword)")
@@ -262,9 +264,10 @@ class Generation:
                                                  self.comm, layout=self.layout)
 
     def step(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             **scores: Any) -> torch.Tensor:
-        """One new token of one layer (collective): append its keys and values, attend the cache;
-        ``(B, H, t, E)`` on every rank alike."""
+             score: Any, **settings: Any) -> torch.Tensor:
+        """One new token of one layer (collective): append its keys and values, attend the cache
+        with the layer's ``score`` (a :class:`mpiattn.Score`, its tensors made arrays here) and
+        ``settings`` (``causal``, ``window``, ``scale``); ``(B, H, t, E)`` on every rank alike."""
         from .tensors import to_array, to_tensor
 
         cache = self.caches[layer]
@@ -272,10 +275,9 @@ class Generation:
         q = to_array(query.detach().contiguous())
         plan = self.plans.get(layer)
         if plan is None or plan.shape != tuple(q.shape) or plan.dtype != q.dtype:
-            sinks = scores.pop("sinks")
-            if sinks is not None:
-                sinks = to_array(sinks.detach().to(torch.float64).contiguous())
-            plan = self.plans[layer] = cache.plan_attend(q, sinks=sinks, **scores)
+            host = score.map_arrays(lambda name, x: to_array(x.detach().to(torch.float64).contiguous())
+                                    if isinstance(x, torch.Tensor) else x)
+            plan = self.plans[layer] = cache.plan_attend(q, score=host, **settings)
         out, _ = plan(q)
         return to_tensor(out)
 
@@ -289,11 +291,12 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     """transformers' attention function: ``(out (B, n_r, H, E), None)`` for this rank's rows."""
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
     causal = bool(getattr(module, "is_causal", True))
+    score = Score.of(softcap=softcap, sinks=s_aux)  # transformers' keywords, as one score
     layer = getattr(module, "layer_idx", None)
     if mpiattn_cache is not None and mpiattn_cache.decoding:
         query = hf_llama4.retuned(module, query, mpiattn_cache.positions)
-        out = mpiattn_cache.step(layer, query, key, value, causal=causal, window=window,
-                                 scale=scaling, softcap=softcap, sinks=s_aux)
+        out = mpiattn_cache.step(layer, query, key, value, score, causal=causal, window=window,
+                                 scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     up_to = hf_layers.checked_up_to(getattr(module, "config", None))
     if layer is None or up_to is None or layer <= up_to:  # (its first attention layer)
@@ -303,7 +306,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                                                      comm, layout))
     pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
     out = attention(query.contiguous(), key.contiguous(), value.contiguous(), comm=comm,
-                    causal=causal, window=window, scale=scaling, softcap=softcap, sinks=s_aux,
+                    causal=causal, window=window, scale=scaling, score=score,
                     key_padding_mask=pad, layout=layout, **options)
     if mpiattn_cache is not None:
         mpiattn_cache.keep(layer, key, value)

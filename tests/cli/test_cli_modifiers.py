@@ -98,11 +98,11 @@ def test_prefill_then_decode_with_sinks_alibi_and_softcap_equal_the_reference(co
     write_h5(comm, new, q=q[:, :, n0:], k=k[:, :, n0:], v=v[:, :, n0:], alibi_slopes=slopes)
     code, text, err = run(comm, capsys, "decode", cache, "--queries", new, "-o", step, "--append")
     assert code == 0, err
-    assert "sinks, alibi_slopes, softcap 2.5" in text
+    assert "softcap 2.5, alibi_slopes, sinks" in text
     got, oattrs = whole(step)
     np.testing.assert_allclose(got["out"], ref_out[:, :, n0:], rtol=1e-11, atol=1e-11)
     np.testing.assert_allclose(got["lse"], ref_lse[:, :, n0:], rtol=1e-11, atol=1e-11)
-    assert oattrs["softcap"] == 2.5 and oattrs["score_modifiers"] == "sinks,alibi_slopes"
+    assert oattrs["softcap"] == 2.5 and oattrs["score_modifiers"] == "alibi_slopes,sinks"
     data, attrs = whole(cache)  # grown; its modifiers carried over
     assert attrs["length"] == n0 + 1 and attrs["softcap"] == 2.5
     np.testing.assert_array_equal(data["sinks"], sinks)
@@ -132,7 +132,7 @@ def test_prefill_and_decode_refuse_masks_bad_shapes_and_modifiers_other_than_the
     for more, flags, why in [({"attn_mask": np.ones((1, 6), bool)}, (), "must span the whole cache"),
                              ({"attn_mask": np.ones((1, 7), np.int8)}, (), int8),  # not a 0/1 bias
                              ({"sinks": sinks + 1}, (), "holds sinks that differ from those"),
-                             ({}, ("--softcap", 3), "--softcap 3 differs from the softcap 2"),
+                             ({}, ("--softcap", 3), "softcap 3 differs from the softcap 2"),
                              ({"alibi_slopes": np.ones(3)}, (), "alibi_slopes has shape (3,)")]:
         write_h5(comm, path("n.h5"), **token, **more)
         code, _, err = run(comm, capsys, *decode, "--append", *flags)

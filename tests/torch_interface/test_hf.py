@@ -171,8 +171,9 @@ def test_what_it_cannot_honour_is_refused_on_every_rank(comm):
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="dropout"):
         sharded(ids, position_ids=pos, use_cache=False)
-    with pytest.raises(TypeError, match="each layer passes"):
-        hf.register(causal=True)
+    for taken in ("causal", "softcap", "sinks", "score"):  # a score modifier is each layer's own
+        with pytest.raises(TypeError, match=f"takes no {taken}: each layer passes"):
+            hf.register(**{taken: True})
 
 
 def test_the_checks_run_at_the_first_attention_layer(comm):

@@ -260,3 +260,35 @@ def test_the_transformers_adapter_is_imported_on_demand_and_names_its_extra(seri
     from mpiattn.torch import hf
     with pytest.raises(ImportError, match=r'pip install "mpiattn\[hf\]"'):
         hf.register()
+
+
+def test_the_keywords_and_one_score_object_are_the_same_call(comm):
+    """softcap, ALiBi, max_logit and learnable sinks given as keywords, as one ``mpiattn.Score``
+    (the sinks a tensor that requires grad inside it), or split between the two: the same bits
+    (out, lse, every gradient, the sinks' included, max_logit) on every rank; a modifier given
+    both ways is refused."""
+    B, H, N, E = 1, 2, 5 * comm.size + 2, 4
+    Q, K, V, DO = _global(31, *[(B, H, N, E)] * 4)
+    slopes = np.array([0.5, 0.25])
+
+    def run(make):
+        sinks = torch.tensor([0.3, -0.4], dtype=F64, requires_grad=True)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (Q, K, V)]
+        used = {}
+        out, lse = mt.attention(*(mt.shard(x) for x in leaves), causal=True, return_lse=True,
+                                details=used, **make(sinks))
+        (out * mt.shard(DO.detach())).sum().backward()
+        return [out.detach(), lse.detach(), *(x.grad for x in leaves), sinks.grad,
+                torch.as_tensor(used["max_logit"])]
+
+    one = run(lambda s: dict(softcap=1.5, alibi_slopes=slopes, sinks=s, max_logit=True))
+    assert one[5] is not None and one[5].abs().sum() > 0
+    for make in (lambda s: dict(score=mpiattn.Score(softcap=1.5, alibi_slopes=slopes, sinks=s,
+                                                    max_logit=True)),
+                 lambda s: dict(score=mpiattn.Score(sinks=s, max_logit=True), softcap=1.5,
+                                alibi_slopes=slopes)):
+        for a, b in zip(one, run(make)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="softcap is given twice"):
+        mt.attention(*(mt.shard(x.detach()) for x in (Q, K, V)), score=mpiattn.Score(softcap=1.0),
+                     softcap=2.0)
