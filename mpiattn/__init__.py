@@ -37,6 +37,7 @@ _EXPORTS = {
     "get_comm": "comm",
     "KVCache": "inference",
     "ScoreMod": "masks.scoremod",
+    "RelativeBias": "masks.relbias",
     "Score": "masks.score",
 }
 

@@ -57,6 +57,7 @@ def _score_mods():
     temp = 0.5 + 0.2 * np.arange(9)
     tab = np.sin(np.arange(9 * 128, dtype=np.float64)).reshape(9, 128)  # a relative-position bias
     t_temp, t_tab, t_tau = torch.tensor(temp), torch.tensor(tab), torch.tensor(TAU)
+    rel, t_rel = REL_TABLE, torch.tensor(REL_TABLE)
     tau = TAU
 
     def here(table, like):  # the table where the scores are (NumPy, or the device under CuPy)
@@ -77,15 +78,32 @@ def _score_mods():
         "batch-square": (ScoreMod(lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s,
                                   lambda s, b, h, q, kv: (1 + b) - 0.1 * s),
                          lambda s, b, h, q, kv: s * (1 + b) - 0.05 * s * s),
+        "relative-bias-table": (ScoreMod(lambda s, b, h, q, kv: s + here(rel, s)[h, q - kv + REL_OFFSET],
+                                         lambda s, b, h, q, kv: np.ones_like(s)),
+                                lambda s, b, h, q, kv: s + t_rel[h, q - kv + REL_OFFSET]),
     }
 
 
-SCORE_MODS = ("temperature", "relative-bias", "cap", "batch-square", "per-head-temperature")
+SCORE_MODS = ("temperature", "relative-bias", "cap", "batch-square", "per-head-temperature",
+              "relative-bias-table")
 #: Per-head temperatures of at most 9 heads (the draws' most).
 TAU = 0.6 + 0.15 * np.arange(9)
-#: score_mods the library is given as a modifier of its own (a :class:`mpiattn.Score` field; the
-#: ScoreMod of the same name is the reference's and the tolerance's form of it).
-AS_MODIFIER = {"per-head-temperature": lambda call: {"temperature": TAU[:call.H]}}
+#: A relative-position bias of at most 9 heads covering every ``q - kv`` of the draws (N, M <= 40).
+REL_OFFSET = 40
+REL_TABLE = np.cos(0.37 * np.arange(9 * 80, dtype=np.float64)).reshape(9, 80)
+
+
+def _relative_bias(call):
+    from mpiattn import RelativeBias
+
+    return {"score_mod": RelativeBias(REL_TABLE[:call.H], REL_OFFSET)}
+
+
+#: score_mods the library is given in a form of its own (a :class:`mpiattn.Score` field, or a
+#: library transform; the ScoreMod of the same name is the reference's and the tolerance's form
+#: of it).
+AS_MODIFIER = {"per-head-temperature": lambda call: {"temperature": TAU[:call.H]},
+               "relative-bias-table": _relative_bias}
 _SCORE_MOD_OBJECTS: dict = {}
 
 

@@ -1,7 +1,8 @@
 """What the score modifiers cost (issue 28's targets), as ratios measured in one run.
 
     python benchmarks/score_modifiers/measure.py cost          # one rank: softcap, sinks, ALiBi,
-                                                               # score_mod (a softcap, a bias table)
+                                                               # score_mod (a softcap, a bias table),
+                                                               # mpiattn.RelativeBias (the same table)
     mpiexec -n P python benchmarks/score_modifiers/measure.py skip   # block-diagonal mask_mod
     mpiexec -n P python benchmarks/score_modifiers/measure.py named  # a named rule vs its function
 
@@ -57,6 +58,8 @@ def cost(args):
             "score_mod-bias-take": {"score_mod": mpiattn.ScoreMod(
                 lambda s, b, h, i, j: s + np.take(flat, h * (2 * N) + (i - j + N)),
                 lambda s, b, h, i, j: np.ones_like(s))}})
+    if hasattr(mpiattn, "RelativeBias"):  # the same table and offset, added by Toeplitz views
+        variants["score_mod-relative-bias"] = {"score_mod": mpiattn.RelativeBias(table, N)}
     if args.only:
         variants = {name: kw for name, kw in variants.items() if name == "plain" or name in args.only}
     base = {}

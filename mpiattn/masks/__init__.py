@@ -15,8 +15,9 @@
 ``softcap``
     :class:`~mpiattn.masks.softcap.Softcap`, the one score transform ``c tanh(x / c)``: its
     formula and chain rule, which every kernel calls;
-``scoremod``, ``temperature``
-    a user's transform (``ScoreMod``) and a per-head temperature, the other transforms;
+``scoremod``, ``temperature``, ``relbias``
+    a user's transform (``ScoreMod``), a per-head temperature and a relative-position bias
+    from a table (``RelativeBias``: Toeplitz views, no per-score gather), the other transforms;
 ``sinks``
     learnable sinks, added to each merged row, and their gradient;
 ``tiles``

@@ -162,7 +162,7 @@ class Score:
             raise TypeError(f"max_logit must be True or False, got {self.max_logit!r}")
         return Checked(
             softcap=softcap,
-            score_mod=None if self.score_mod is None else check_score_mod(self.score_mod),
+            score_mod=None if self.score_mod is None else check_score_mod(self.score_mod, H),
             temperature=None if self.temperature is None else check_temperature(self.temperature, H),
             alibi=None if self.alibi_slopes is None else check_slopes(self.alibi_slopes, B, H),
             attn_mask=None if self.attn_mask is None else check_attn_mask(self.attn_mask, B, H, rows),

@@ -19,6 +19,10 @@ that reads none, as :class:`~mpiattn.masks.softcap.Softcap`, costs nothing for t
 shapes follow the engine's layout of the tile (e.g. ``(B, Hkv, rows x G, keys)`` with the
 query heads of a key/value head folded into the rows), so a ``score_mod`` must be
 elementwise: it may index tables with them (``bias[h, q_idx - kv_idx]``), never reshape.
+Where the kernels know the tile's layout, ``at.grid`` also describes it (a :class:`TileGrid`:
+the heads, the rows' and the keys' positions as short host vectors), for a transform that
+works on whole runs of positions instead of index arrays
+(:class:`~mpiattn.masks.relbias.RelativeBias`); else it is None.
 
 :class:`ScoreMod` is a user's transform on NumPy or CuPy arrays: the function and its
 derivative with respect to the score (``mpiattn.torch`` differentiates a function written
@@ -32,16 +36,51 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .. import backend
 
-__all__ = ["ScoreMod", "TileIndex", "check_score_mod", "shift_score_mod", "PIECE"]
+__all__ = ["ScoreMod", "TileIndex", "TileGrid", "check_score_mod", "shift_score_mod", "PIECE"]
 
 #: Scores of a tile a :class:`ScoreMod`'s function is given at once on the host: the function
 #: is elementwise, so a tile in row pieces gives the same answer, and its temporaries stay in
 #: the core's cache instead of streaming whole tiles through memory (measured in
 #: benchmarks/score_modifiers).
 PIECE = 1 << 15
+
+
+@dataclass(frozen=True, eq=False)
+class TileGrid:
+    """The layout of one score tile in the engine's memory, for transforms that read positions
+    as runs (no index arrays are made).
+
+    Attributes
+    ----------
+    heads : (Hkv, G) int64 host array
+        The global query head of each key/value head's ``g``-th member.
+    q_pos, k_pos : 1-D int64 host arrays
+        The global positions of the tile's query rows and keys.
+    folded : bool
+        The tile is ``(B, Hkv, r * G, k)`` with row ``i * G + g`` holding query ``q_pos[i]`` of
+        head ``heads[kv, g]`` (the native engine); else ``(B, Hkv, G, r, k)`` (materialized).
+    """
+
+    heads: np.ndarray
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    folded: bool = True
+
+    def split(self, S: Any) -> Any:
+        """``S`` (NumPy) as a ``(B, Hkv, G, r, k)`` view of the same memory (writes reach ``S``), or
+        None when its shape is not this grid's."""
+        Hkv, G = self.heads.shape
+        r, k = self.q_pos.size, self.k_pos.size
+        if not self.folded:
+            return S if S.ndim == 5 and S.shape[1:] == (Hkv, G, r, k) else None
+        if S.ndim != 4 or S.shape[1:] != (Hkv, r * G, k):
+            return None
+        sb, sh, sr, sk = S.strides
+        return as_strided(S, (S.shape[0], Hkv, G, r, k), (sb, sh, sr, G * sr, sk))
 
 
 class TileIndex:
@@ -54,12 +93,14 @@ class TileIndex:
         ``make() -> (b, h, q_idx, kv_idx)``, host int64 arrays that broadcast against the tile.
     xp : module
         The tile's array module (NumPy or CuPy): the arrays are moved there.
+    grid : TileGrid, optional
+        The tile's layout, where the caller knows it (:attr:`grid`).
     """
 
-    __slots__ = ("_make", "_xp", "_arrays")
+    __slots__ = ("_make", "_xp", "_arrays", "grid")
 
-    def __init__(self, make: Callable[[], tuple], xp: Any = np):
-        self._make, self._xp, self._arrays = make, xp, None
+    def __init__(self, make: Callable[[], tuple], xp: Any = np, grid: TileGrid | None = None):
+        self._make, self._xp, self._arrays, self.grid = make, xp, None, grid
 
     def arrays(self) -> tuple:
         """``(b, h, q_idx, kv_idx)`` on the tile's device."""
@@ -73,21 +114,36 @@ class TileIndex:
                xp: Any = np) -> "TileIndex":
         """The indices of a tile in the native engine's folded rows: ``(B, Hkv, r * G, k)``, row
         ``i * G + g`` holding query ``q_pos[i]`` of the query head ``heads[kv * G + g]``."""
+        hk = np.asarray(heads, dtype=np.int64).reshape(-1, group)  # (Hkv, G)
+        q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
+
         def make() -> tuple:
-            hk = np.asarray(heads, dtype=np.int64).reshape(-1, group)  # (Hkv, G)
             r = q_pos.size
             h = np.broadcast_to(hk[None, :, None, :], (1, hk.shape[0], r, group)).reshape(
                 1, hk.shape[0], r * group, 1)
-            q = np.repeat(np.asarray(q_pos, dtype=np.int64), group).reshape(1, 1, r * group, 1)
-            return (np.arange(B).reshape(B, 1, 1, 1), h, q,
-                    np.asarray(k_pos, dtype=np.int64).reshape(1, 1, 1, -1))
-        return cls(make, xp)
+            q = np.repeat(q_pos, group).reshape(1, 1, r * group, 1)
+            return (np.arange(B).reshape(B, 1, 1, 1), h, q, k_pos.reshape(1, 1, 1, -1))
+        return cls(make, xp, TileGrid(hk, q_pos, k_pos, folded=True))
+
+    @classmethod
+    def grouped(cls, B: int, heads: np.ndarray, group: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                xp: Any = np) -> "TileIndex":
+        """The indices of a tile ``(B, Hkv, G, r, k)``: ``[:, kv, g, i]`` holding query
+        ``q_pos[i]`` of the query head ``heads[kv * G + g]`` (the materialized strategy)."""
+        hk = np.asarray(heads, dtype=np.int64).reshape(-1, group)
+        q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
+        return cls(lambda: (np.arange(B).reshape(B, 1, 1, 1, 1), hk.reshape(1, -1, group, 1, 1),
+                            q_pos.reshape(1, 1, 1, -1, 1), k_pos.reshape(1, 1, 1, 1, -1)),
+                   xp, TileGrid(hk, q_pos, k_pos, folded=False))
 
 
-def check_score_mod(fn: Any) -> "ScoreMod":
+def check_score_mod(fn: Any, H: int | None = None) -> "ScoreMod":
     """``fn`` as a :class:`ScoreMod` (a callable without a derivative: a forward only), else
-    TypeError."""
+    TypeError; a library transform with a ``check_heads(H)`` (its tables' heads) is checked
+    against the call's ``H`` query heads when it is given."""
     if isinstance(fn, ScoreMod) or hasattr(fn, "saving_"):
+        if H is not None and hasattr(fn, "check_heads"):
+            fn.check_heads(H)
         return fn
     if not callable(fn):
         raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) -> score "
@@ -115,7 +171,11 @@ class ScoreMod:
     the device too (``cupy.asarray(bias)`` once, outside the function). On NumPy the function
     runs once per piece of a tile, each operation a pass over the piece: a table read is its
     main cost, and ``np.take(table.ravel(), h * width + col)`` costs about half of
-    ``table[h, col]`` (``benchmarks/score_modifiers/README.md``).
+    ``table[h, col]`` (``benchmarks/score_modifiers/README.md``). A relative-position bias read
+    from a table, ``s + table[h, q - kv + offset]``, is :class:`mpiattn.RelativeBias` (the same
+    numbers with no per-score gather: on a tile whose positions run consecutively, its bias is
+    a Toeplitz block, a strided view of the table added in one pass); it gives no gradient for
+    the table: under ``mpiattn.torch`` a function of torch ops reading a tensor table trains it.
 
     Examples
     --------
@@ -171,7 +231,11 @@ class ScoreMod:
 
 
 def shift_score_mod(fn: Any, offset: int) -> Any:
-    """``fn`` (a :class:`ScoreMod` or a plain function) given query positions ``q_idx + offset``."""
+    """``fn`` (a :class:`ScoreMod` or a plain function) given query positions ``q_idx + offset``;
+    a library transform with a ``shifted(offset)`` of its own (which keeps its fast path) is
+    asked for it."""
+    if hasattr(fn, "shifted"):
+        return fn.shifted(offset)
     def shifted(f: Callable | None) -> Callable | None:
         if f is None:
             return None

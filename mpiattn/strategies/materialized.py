@@ -69,9 +69,7 @@ def _scores(c: Comm, pb: Any, q: Any, k: Any, mask: Any) -> tuple[Any, Any, Any]
         top = backend.to_host(x.reshape(B, s.H, n, s.M).max(axis=(0, 2, 3), initial=-np.inf))
     t = None
     if mods is not None and mods.transform is not None:  # t: (raw x, the indices) for its chain rule
-        at = TileIndex(lambda: (np.arange(B).reshape(B, 1, 1, 1, 1),
-                                np.asarray(heads).reshape(1, s.Hkv, s.G, 1, 1),
-                                q_pos.reshape(1, 1, 1, n, 1), k_pos.reshape(1, 1, 1, 1, s.M)), xp)
+        at = TileIndex.grouped(B, heads, s.G, q_pos, k_pos, xp)
         t, S = (S, at), mods.transform.saving_(S, xp.empty_like(S), at)
     if mods is not None and mods.adds:
         S = S + backend.to_device(unfold(mods.added(heads, np.arange(n), q_pos, k_pos,
