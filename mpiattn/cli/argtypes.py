@@ -21,7 +21,7 @@ from ..strategies import registry
 
 __all__ = ["MAX_SIZE", "MAX_SEED", "int_in", "positive_int", "nonneg_int", "seed",
            "finite_float", "positive_float", "watchdog_seconds", "fraction", "window",
-           "causal_alignment", "strategy", "mask_mod", "page"]
+           "causal_alignment", "strategy", "engine_list", "mask_mod", "page"]
 
 #: Largest value of a size option (rows, heads, features, block, threads, window): a C int.
 MAX_SIZE = 2**31 - 1
@@ -129,6 +129,20 @@ def strategy(text: str) -> str:
     if text != "auto":
         _library(registry.get, text)
     return text
+
+
+def engine_list(text: str) -> list[str]:
+    """Engine names, comma-separated (:data:`mpiattn.kernels.engines.ENGINES`; not ``auto``)."""
+    from ..kernels import engines
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected engine names, comma-separated")
+    for n in names:
+        if n not in engines.ENGINES:
+            raise argparse.ArgumentTypeError(f"unknown engine {_short(n)!r}; expected "
+                                             f"{', '.join(engines.ENGINES)}")
+    return names
 
 
 def mask_mod(text: str) -> Any:

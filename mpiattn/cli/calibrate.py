@@ -15,7 +15,10 @@ It measures, with every rank placed as the job places them
   the ranks that send between nodes together (:mod:`mpiattn.cli.links`);
 * the attention rate of one rank per dtype, forward and backward, with every
   rank computing at once (so that a shared node's contention is in the
-  number), on ``--rows`` query and key rows of ``--heads`` heads of ``--dim``;
+  number), on ``--rows`` query and key rows of ``--heads`` heads of ``--dim``,
+  by each engine that can run it on every rank (``--engines``; bfloat16 too
+  where ``ml_dtypes`` is installed): the machine's ``engines``, from which
+  ``engine="auto"`` picks the fastest (:func:`mpiattn.kernels.engines.local_choice`);
 * the memory per rank (the device's, else the node's divided by its ranks),
   and the bandwidth at which a rank reads it while every rank does (what
   bounds a decode step);
@@ -51,6 +54,10 @@ __all__ = ["add_arguments", "cmd_calibrate"]
 
 DTYPES = ("float64", "float32", "float16")
 
+#: Engines measured only when ``--engines`` names them (never run on a GPU yet: ``auto`` does not
+#: pick them unless asked to measure them).
+UNASKED = ("fused",)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``calibrate``."""
@@ -66,39 +73,88 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=positive_int, default=4, help="heads of it (default 4)")
     p.add_argument("--dim", type=positive_int, default=64, help="head dimension of it (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="timed repeats, the best kept (default 3)")
+    p.add_argument("--engines", type=argtypes.engine_list, default=None, metavar="NAMES",
+                   help="engines whose speeds are measured, comma-separated (default: every "
+                        "engine every rank can run but fused; the native engine always)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="measure NumPy ranks (cpu) or CuPy ranks, one GPU each (gpu)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only errors")
 
 
 # ----------------------------------------------------------------- compute
-def _rates(c: Any, xp: Any, args: Any) -> tuple[dict, float, dict]:
-    """Forward FLOP/s of one rank per dtype (every rank at once), the backward's ratio, details."""
+def _times(c: Any, xp: Any, args: Any, dtype: Any, engine: str) -> tuple[float, float]:
+    """Seconds of one rank's forward and backward in ``dtype`` with ``engine`` (every rank at once;
+    the slowest rank's best of ``--repeat``)."""
     from mpi4py import MPI
 
     from ..strategies.api import attention, attention_backward
 
     B, H, N, E = 1, args.heads, args.rows, args.dim
-    flops = 2.0 * B * H * N * N * (E + E)
-    rates, ratios, detail = {}, [], {}
     rng = np.random.default_rng(c.rank)
+    q, k, v, do = (xp.asarray(rng.standard_normal((B, H, N, E)).astype(dtype)) for _ in range(4))
+    fwd = bwd = math.inf
+    for _ in range(args.repeat + 1):
+        c.barrier()
+        t = time.perf_counter()
+        out, lse = attention(q, k, v, MPI.COMM_SELF, check_finite=False, engine=engine)
+        _sync(xp)
+        t1 = time.perf_counter()
+        attention_backward(do, q, k, v, out, lse, MPI.COMM_SELF, check_finite=False, engine=engine)
+        _sync(xp)
+        fwd, bwd = min(fwd, t1 - t), min(bwd, time.perf_counter() - t1)
+    return max(c.allgather_obj(fwd)), max(c.allgather_obj(bwd))
+
+
+def _rates(c: Any, xp: Any, args: Any) -> tuple[dict, float, dict]:
+    """Forward FLOP/s of one rank per dtype (every rank at once, the native engine), the
+    backward's ratio, details."""
+    flops = 2.0 * args.heads * args.rows * args.rows * (2 * args.dim)
+    rates, ratios, detail = {}, [], {}
     for name in DTYPES:
-        q, k, v, do = (xp.asarray(rng.standard_normal((B, H, N, E)).astype(name)) for _ in range(4))
-        fwd = bwd = math.inf
-        for _ in range(args.repeat + 1):
-            c.barrier()
-            t = time.perf_counter()
-            out, lse = attention(q, k, v, MPI.COMM_SELF, check_finite=False)
-            _sync(xp)
-            t1 = time.perf_counter()
-            attention_backward(do, q, k, v, out, lse, MPI.COMM_SELF, check_finite=False)
-            _sync(xp)
-            fwd, bwd = min(fwd, t1 - t), min(bwd, time.perf_counter() - t1)
-        fwd, bwd = max(c.allgather_obj(fwd)), max(c.allgather_obj(bwd))  # the slowest rank
+        fwd, bwd = _times(c, xp, args, name, "native")
         rates[name] = flops / fwd
         ratios.append(2.5 * flops / bwd / rates[name])
         detail[name] = {"forward_s": fwd, "backward_s": bwd}
     return rates, float(np.median(ratios)), detail
+
+
+def _engine_speeds(c: Any, xp: Any, args: Any, native: dict, say: Any) -> tuple[dict, str]:
+    """The machine's ``engines``: ``[forward, backward]`` FLOP/s per engine and dtype (the native
+    engine's from ``native``, :func:`_rates`' details), each engine measured in each dtype where
+    every rank can run it; and the words for ``sources``."""
+    from ..kernels import engines
+    from ..strategies.spec import AttentionSpec
+
+    flops = 2.0 * args.heads * args.rows * args.rows * (2 * args.dim)
+    dtypes = list(DTYPES)
+    try:
+        import ml_dtypes  # noqa: F401 - bfloat16 NumPy arrays
+        if xp is np:
+            dtypes.append(ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    speeds = {"native": {n: [flops / t["forward_s"], 2.5 * flops / t["backward_s"]]
+                         for n, t in native.items()}}
+    words = []
+    asked = ["native", *(n for n in (args.engines or [e for e in engines.ENGINES if e not in UNASKED])
+                         if n != "native")]
+    for dtype in dtypes:
+        name = np.dtype(dtype).name
+        shape = (1, args.heads, args.rows, args.dim)
+        spec = AttentionSpec.from_shapes(shape, shape, shape, dtype, device=xp.__name__)
+        for engine in asked:
+            if engine == "native" and name in speeds["native"]:
+                continue
+            e = engines.get(engine)
+            here = (e.supports(spec) or e.usable(spec.device)) is None
+            if not all(c.allgather_obj(here)):  # measured where every rank can run it
+                continue
+            say(f"  measuring the {engine} engine in {name}")
+            fwd, bwd = _times(c, xp, args, dtype, engine)
+            speeds.setdefault(engine, {})[name] = [flops / fwd, 2.5 * flops / bwd]
+            words.append(f"{engine} {name} {fwd:.4g} s forward, {bwd:.4g} s backward")
+    return speeds, ("measured like rates (the native engine's are rates'): " + "; ".join(words)
+                    if words else "measured: the native engine only (no other engine runs here)")
 
 
 def _bandwidth(c: Any, xp: Any, nbytes: int, repeat: int) -> float:
@@ -151,6 +207,7 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
                                                        for k, v in detail.items())
                         + "; bfloat16: not measured, as float16")
     sources["backward_ratio"] = "measured: the median over dtypes of backward FLOP/s / forward FLOP/s"
+    speeds, sources["engines"] = _engine_speeds(c, xp, args, detail, say)
     sources["overlap"] = f"not measured: profile {profile.name}'s ({profile.sources.get('overlap', '')})"
     overlap_between = None
     if measured["between"] is None:
@@ -170,7 +227,8 @@ def measure(c: Any, xp: Any, args: Any, say: Any = lambda text: None) -> Machine
     name = args.name or c.bcast_obj(socket.gethostname())
     return Machine(name, links["inside"], links["between"], rates, ratio, profile.overlap,
                    _memory(c, xp) if c.rank == 0 else 0.0, bandwidth, sources,
-                   node_bandwidth=node_bandwidth or 0.0, overlap_between=overlap_between)
+                   node_bandwidth=node_bandwidth or 0.0, overlap_between=overlap_between,
+                   engines=speeds)
 
 
 def _needs(c: Any, xp: Any, args: Any) -> None:

@@ -184,7 +184,7 @@ def cmd_info(args: Any, con: Console) -> int:
     con.say(f"CUDA-aware {transport}")
     _threads_lines(c, con, hosts, getattr(args, "threads_info", None))
     con.say("engines    " + "; ".join(_engine_line(c, e) for e in engines.ENGINES.values())
-            + f"; auto: {engines.AUTO[0]}")
+            + f"; auto: the fastest a calibrated machine measured, else {engines.AUTO[0]}")
     return 0
 
 

@@ -36,7 +36,8 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
                         "window and segment_ids (mpiattn.balance)")
     p.add_argument("--engine", choices=engines.NAMES, default="auto",
                    help="local kernels: " + ", ".join(engines.ENGINES)
-                   + f" (default auto: {engines.AUTO[0]}, the reference)")
+                   + f" (default auto: the one a calibrated --machine measured fastest, else "
+                   f"{engines.AUTO[0]}, the reference)")
     p.add_argument("--block-size", type=positive_int, default=None, metavar="ROWS",
                    help="rows per exchanged key/value block and score tile (default 512)")
     p.add_argument("--device", choices=("cpu", "gpu", "auto"), default="auto",

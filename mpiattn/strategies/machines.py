@@ -100,6 +100,11 @@ class Machine:
         (:attr:`mpiattn.strategies.base.Phase.sharing`).
     overlap_between : float or None
         The same fraction for a transfer between nodes (None: as ``overlap``).
+    engines : dict
+        Measured speeds of the engines (``calibrate``): engine name -> dtype name ->
+        ``[forward FLOP/s, backward FLOP/s]`` of one rank. ``engine="auto"`` runs the fastest
+        engine measured for the call's dtype and direction that can run it
+        (:func:`mpiattn.kernels.engines.local_choice`); empty: the native engine.
     """
 
     name: str
@@ -113,6 +118,7 @@ class Machine:
     sources: dict = field(default_factory=dict, compare=False)
     node_bandwidth: float = 0.0
     overlap_between: float | None = None
+    engines: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.rates:
@@ -126,6 +132,13 @@ class Machine:
         _check("node_bandwidth", self.node_bandwidth, low=0.0)
         if self.overlap_between is not None:
             _check("overlap_between", self.overlap_between, low=0.0, high=1.0)
+        for engine, by_dtype in self.engines.items():
+            for dtype, pair in by_dtype.items():
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise ValueError(f"engines.{engine}.{dtype} must be [forward FLOP/s, backward "
+                                     f"FLOP/s], got {pair!r}")
+                for i, value in enumerate(pair):
+                    _check(f"engines.{engine}.{dtype}[{i}]", value, low=0.0, above=True)
 
     @property
     def between_overlap(self) -> float:
@@ -169,7 +182,9 @@ class Machine:
                        memory_bandwidth=float(d.get("memory_bandwidth", 0.0)),
                        sources=dict(d.get("sources", {})),
                        node_bandwidth=float(d.get("node_bandwidth", 0.0)),
-                       overlap_between=_optional(d.get("overlap_between")))
+                       overlap_between=_optional(d.get("overlap_between")),
+                       engines={e: {t: [float(x) for x in pair] for t, pair in by.items()}
+                                for e, by in d.get("engines", {}).items()})
         except ValueError as exc:  # a value out of range, named by __post_init__
             raise ValueError(f"not a machine description: {exc}") from None
 
@@ -249,6 +264,21 @@ def _the_rates(key: str, value: Any) -> list[str]:
                    each=_number)
 
 
+def _a_pair(key: str, value: Any) -> list[str]:
+    if isinstance(value, list) and len(value) == 2 and not any(_number(key, x) for x in value):
+        return []
+    return [_defect(key, value, "[forward FLOP/s, backward FLOP/s]")]
+
+
+def _by_dtype(key: str, value: Any) -> list[str]:
+    return _object(key, value, "an object of [forward, backward] FLOP/s by dtype name", each=_a_pair)
+
+
+def _the_engines(key: str, value: Any) -> list[str]:
+    return _object(key, value, 'an object by engine name, e.g. {"torch": {"bfloat16": [2e11, 1e11]}}',
+                   each=_by_dtype)
+
+
 def _the_sources(key: str, value: Any) -> list[str]:
     return _object(key, value, "an object of strings by key", each=_text)
 
@@ -258,7 +288,8 @@ _KEYS = {"name": (True, _text), "inside": (True, _a_link), "between": (True, _a_
          "rates": (True, _the_rates), "backward_ratio": (False, _number),
          "overlap": (False, _number), "memory": (False, _number),
          "memory_bandwidth": (False, _number), "sources": (False, _the_sources),
-         "node_bandwidth": (False, _number), "overlap_between": (False, _number_or_null)}
+         "node_bandwidth": (False, _number), "overlap_between": (False, _number_or_null),
+         "engines": (False, _the_engines)}
 
 
 def _defects(doc: Any) -> list[str]:

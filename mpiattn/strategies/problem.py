@@ -242,7 +242,8 @@ class _Rank:
                                          kv_segments=kv_segment_ids is not None, **checked.flags())
         mask_spec = here.mask
         machine = None
-        if registry.needs_choice(options.strategy):  # the cost model decides: on which machine
+        if registry.needs_choice(options.strategy) or options.engine == "auto":
+            # the cost model, or the engines' measured speeds, decide: on which machine
             machine = machines.load(machines.resolve_name(options.machine, xp.__name__))
         return {"shapes (B, H, Hkv, E, Ev)": (B, H, Hkv, E, Ev), "dtype": str(q.dtype),
                 "backend": xp.__name__, **options.by_field(),
@@ -252,7 +253,9 @@ class _Rank:
                     None if machine is None else {**machine.to_dict(), "sources": None}),
                 **checked.agreement(), "_mask_keys": checked.mask_keys, "_hides": checked.hides,
                 "_n": n, "_m": m, "_spec": here, "_machine": machine,
-                "_engine": (choice := engines.local_choice(options.engine, here)),
+                "_engine": (choice := engines.local_choice(
+                    options.engine, here, None if machine is None else machine.engines,
+                    backward="dout" in extra)),
                 "_tile": engines.get(choice[0]).tile_rows(here) if choice[0] else None}
 
 
@@ -313,7 +316,8 @@ def validate(c: Comm, args: Arguments) -> Problem:
             raise ValueError(f"attn_mask must span every key: its last axis must be M = {M} (the "
                              f"global key length), but rank {bad[0]} has {got[bad[0]]['_mask_keys']}")
         engine_name, engine_reason = engines.agreed_choice([g["_engine"] for g in got], options.engine)
-        tiles = [g["_tile"] for g in got if g["_tile"]]
+        # (the tiles the ranks prefer for the engine they run; where auto fell back: its default)
+        tiles = [g["_tile"] for g in got if g["_tile"] and g["_engine"][0] == engine_name]
         spec = replace(here, N=N, M=M, kv_layout=kv_layout, tile=min(tiles) if tiles else None,
                        mask=replace(here.mask, diagonal=diagonal(options.causal, N, M)))
         engine = engines.get(engine_name)

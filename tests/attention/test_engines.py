@@ -185,3 +185,59 @@ def test_import_does_not_import_torch(serial_only):
             "assert 'torch' not in sys.modules, 'the native engine imported torch'\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+MEASURED = {"native": {"float32": [50e9, 60e9], "float16": [40e9, 50e9]},
+            "torch": {"float32": [60e9, 61e9], "float16": [41e9, 70e9]}}
+
+
+def test_auto_runs_the_engine_measured_fastest_beyond_the_margin():
+    """torch 1.2x native's forward in float32 (beyond engines.MARGIN): torch; its backward 1.02x
+    (within): native; float16's forward within, backward 1.4x: native then torch; a dtype no
+    engine was measured in, a call torch cannot run, or no native measurement: native."""
+    f32, f16 = _spec(np.float32, causal=True), _spec(np.float16, causal=True)
+    name, why = engines.local_choice("auto", f32, MEASURED)
+    assert name == "torch" and "1.20x the native engine's forward speed in float32" in why
+    assert engines.local_choice("auto", f32, MEASURED, backward=True) == engines.AUTO
+    assert engines.local_choice("auto", f16, MEASURED) == engines.AUTO
+    assert engines.local_choice("auto", f16, MEASURED, backward=True)[0] == "torch"
+    assert engines.local_choice("auto", _spec(np.float64), MEASURED) == engines.AUTO
+    assert engines.local_choice("auto", _spec(np.float32, window=(2, 0)), MEASURED) == engines.AUTO
+    assert engines.local_choice("auto", f32, {"torch": MEASURED["torch"]}) == engines.AUTO
+    assert engines.local_choice("auto", f32, {"torch": MEASURED["torch"], "gone": {"float32": [
+        1e15, 1e15]}, "native": MEASURED["native"]})[0] == "torch"  # (an engine not installed)
+    # the ranks' choices differ: every rank runs native; an explicit engine is not overruled
+    assert engines.agreed_choice([("torch", "a"), ("native", "b")], "auto")[0] == "native"
+    assert engines.agreed_choice([("torch", "a"), ("torch", "a")], "auto") == ("torch", "a")
+
+
+def test_a_calibrated_machine_decides_auto_on_every_rank(comm, monkeypatch, shared_dir):
+    """A machine file with measured engine speeds makes auto run torch, the same on every rank,
+    with the same result as the native engine (to float32 rounding); where one rank cannot run
+    torch, every rank runs native; explicit engines and machines without speeds are unchanged."""
+    pytest.importorskip("torch")
+    from mpiattn.strategies import machines
+
+    path = f"{shared_dir}/engines-machine.json"
+    if comm.rank == 0:
+        machines.Machine.from_dict({**machines.PROFILES["cpu-node"].to_dict(),
+                                    "engines": MEASURED}).save(path)
+    comm.mpi.Barrier()
+    q, k, v = _case(comm, np.float32, causal=True)
+    used, plain = {}, {}
+    out, lse = mpiattn.attention(q, k, v, causal=True, machine=path, details=used)
+    ref, ref_lse = mpiattn.attention(q, k, v, causal=True, details=plain)
+    assert used["engine"] == "torch" and "measured 1.20x" in used["engine_reason"]
+    assert plain["engine"] == "native"
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-5, atol=2e-5)
+    back = {}
+    mpiattn.attention_backward(out, q, k, v, out, lse, causal=True, machine=path, details=back)
+    assert back["engine"] == "native"  # torch's backward was measured within the margin
+    assert mpiattn.attention(q, k, v, causal=True, machine=path, engine="native", details=back)
+    assert back["engine"] == "native"
+    if comm.size > 1:
+        if comm.rank == 1:
+            monkeypatch.setattr(torch_ops, "available", lambda: "torch not importable here")
+        mpiattn.attention(q, k, v, causal=True, machine=path, details=used)
+        assert used["engine"] == "native" and "differ" in used["engine_reason"]

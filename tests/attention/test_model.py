@@ -166,7 +166,9 @@ def test_a_call_names_its_machine(comm, monkeypatch):
     path = "/nonexistent/mpiattn-machine.json"  # the same option on every rank
     with pytest.raises(ValueError, match="neither a profile"):
         mpiattn.attention(q, q[:, :1], q[:, :1], machine=path)
-    mpiattn.attention(q, q[:, :1], q[:, :1], machine=path, strategy="ring")  # no choice: not read
+    with pytest.raises(ValueError, match="neither a profile"):  # its engine speeds decide auto
+        mpiattn.attention(q, q[:, :1], q[:, :1], machine=path, strategy="ring")
+    mpiattn.attention(q, q[:, :1], q[:, :1], machine=path, strategy="ring", engine="native")  # not read
 
 
 def test_plan_marks_auto_and_prints_json(comm, capsys):
@@ -197,6 +199,14 @@ def test_plan_refuses_bad_machines(comm, capsys, tmp_path):
     assert comm.rank or ("neither a profile" in err and "multiple of --kv-heads" in err)
 
 
+def _has_ml_dtypes():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def test_calibrate_writes_a_machine_auto_can_use(comm, capsys, shared_dir):
     path = f"{shared_dir}/machine.json"
     argv = ["calibrate", "-o", path, "--megabytes", "1", "--rows", "64", "--heads", "1", "--dim", "8",
@@ -215,6 +225,11 @@ def test_calibrate_writes_a_machine_auto_can_use(comm, capsys, shared_dir):
     used = {}
     mpiattn.attention(q, q, q, machine=path, details=used)
     assert m.name in used["strategy_reason"]
+    dtypes = {"float64", "float32", "float16"} | ({"bfloat16"} if _has_ml_dtypes() else set())
+    assert set(m.engines["native"]) == dtypes  # every engine that runs here, in every dtype
+    assert all(f > 0 and b > 0 for by in m.engines.values() for f, b in by.values())
+    assert "measured" in m.sources["engines"] and used["engine_reason"].startswith("auto: ")
+    assert used["engine"] in m.engines
 
 
 def test_plan_predicts_decode_and_prefill(comm, capsys):

@@ -30,6 +30,8 @@ DEFECTS = {
     "wrong type": (_edited(lambda d: d.update(memory="8 GiB")), "key 'memory' must be a number"),
     "not JSON": ("{\"name\": ", "cannot read it as JSON"),
     "not an object": ("[]", "must be a JSON object"),
+    "engine speeds": (_edited(lambda d: d.update(engines={"torch": {"float32": [1e9]}})),
+                      "key 'engines.torch.float32' must be [forward FLOP/s, backward FLOP/s]"),
 }
 
 
@@ -90,12 +92,15 @@ def test_the_machine_file_is_checked_before_the_input_is_read(comm, shared_dir, 
 
 
 def test_a_machine_the_strategy_never_reads_is_not_checked(comm, shared_dir, capsys):
-    """As the library: a fixed strategy leaves the cost model nothing to choose."""
+    """As the library: a fixed strategy and engine leave the machine nothing to choose (the
+    engine's auto reads its measured speeds: a fixed strategy alone still reads it)."""
     assert cli.main(["make-data", f"{shared_dir}/in.h5", "--seq", "32", "--heads", "2", "--dim", "8",
                      "-q"]) == 0
     path = _file(comm, shared_dir, DEFECTS["null value"][0])
     assert cli.main(["run", f"{shared_dir}/in.h5", "-o", f"{shared_dir}/out.h5", "-q",
-                     "--strategy", "ring", "--machine", path]) == 0
+                     "--strategy", "ring", "--engine", "native", "--machine", path]) == 0
+    assert cli.main(["run", f"{shared_dir}/in.h5", "-o", f"{shared_dir}/out2.h5", "-q",
+                     "--strategy", "ring", "--machine", path]) == 2
 
 
 def test_the_program_under_mpiexec_exits_2_with_one_line(serial_only, tmp_path):
