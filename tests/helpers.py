@@ -347,7 +347,7 @@ def registered_strategies():
 
 def strategy_refusal(strategy, comm, H, Hkv, N=16, M=None):
     """Why the registered ``strategy`` refuses a call of ``H`` query and ``Hkv`` key/value heads
-    on ``comm`` (its own ``supports``: e.g. ulysses needs both divisible by ``P``), or None."""
+    on ``comm`` (its own ``supports``: e.g. ulysses needs a query head per rank), or None."""
     from mpiattn.comm import get_comm
     from mpiattn.strategies import AttentionSpec, Options, registry
     q, kv = (1, H, N, 8), (1, Hkv, N if M is None else M, 8)

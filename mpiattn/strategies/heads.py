@@ -5,17 +5,88 @@ member ``j`` is to hold some heads (``heads[j]``) of the group's rows, in
 member order (member 0's rows, then member 1's, ...). :func:`to_heads` does
 that in one all-to-all; :func:`to_rows` undoes it, adding up what two members
 held of one head (a key/value head replicated in a group: its gradients).
+
+:func:`shares` splits ``H`` query heads over ``u`` members for any ``H >= u`` and any
+``Hkv`` (DeepSpeed-Ulysses with uneven heads; LoongTrain's replicated key/value heads):
+member ``j`` gets query heads ``[j H // u, (j + 1) H // u)`` (the counts differ by at most
+one) and every key/value head they use (``h // (H / Hkv)``), so a key/value head used by
+two members goes to both. Where a member's query heads do not use its key/value heads in
+the engine's uniform grouping (query head ``i`` with key/value head ``i // G``), it gives
+its engine one key/value head per query head (:meth:`Share.expand`, a local copy) and sums
+their gradients back (:meth:`Share.fold`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from .. import backend
 
-__all__ = ["to_heads", "to_rows"]
+__all__ = ["to_heads", "to_rows", "Share", "shares"]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One member's heads (:func:`shares`).
+
+    Attributes
+    ----------
+    q : tuple of int
+        Its query heads (global indices, consecutive).
+    kv : tuple of int
+        The key/value heads they use (global, consecutive): what it receives.
+    uses : tuple of int
+        For each of its query heads, the index in ``kv`` of the key/value head it uses.
+    """
+
+    q: tuple
+    kv: tuple
+    uses: tuple
+
+    @property
+    def grouped(self) -> bool:
+        """Its query heads use ``kv`` in the engine's grouping (local query head ``i`` with
+        local key/value head ``i // (len(q) / len(kv))``)."""
+        g, rest = divmod(len(self.q), len(self.kv))
+        return rest == 0 and all(u == i // g for i, u in enumerate(self.uses))
+
+    @property
+    def kv_width(self) -> int:
+        """Key/value heads its engine sees: ``len(kv)``, or one per query head when not grouped."""
+        return len(self.kv) if self.grouped else len(self.q)
+
+    def expand(self, x: Any) -> Any:
+        """``(B, len(kv), L, F)`` -> what its engine reads: itself when grouped, else one
+        key/value head per query head ``(B, len(q), L, F)`` (a copy)."""
+        return x if self.grouped else x[:, list(self.uses)]
+
+    def fold(self, dx: Any) -> Any:
+        """Inverse of :meth:`expand` for gradients: ``(B, kv_width, L, F)`` -> ``(B, len(kv), L, F)``,
+        the parts of one key/value head summed."""
+        if self.grouped:
+            return dx
+        xp = backend.array_module(dx)
+        out = xp.zeros((dx.shape[0], len(self.kv)) + tuple(dx.shape[2:]), dtype=dx.dtype)
+        for i, u in enumerate(self.uses):
+            out[:, u] += dx[:, i]
+        return out
+
+
+def shares(H: int, Hkv: int, u: int) -> list[Share]:
+    """The heads of each of ``u`` members (module docstring); ValueError when ``H < u`` (a member
+    would hold no head)."""
+    if H < u:
+        raise ValueError(f"{H} query heads cannot be split over {u} ranks (each needs one)")
+    G = H // Hkv
+    out = []
+    for j in range(u):
+        q = tuple(range(j * H // u, (j + 1) * H // u))
+        kv = tuple(range(q[0] // G, q[-1] // G + 1))
+        out.append(Share(q, kv, tuple(h // G - kv[0] for h in q)))
+    return out
 
 
 def to_heads(g: Any, x: Any, heads: Sequence[Sequence[int]], rows: Sequence[int]) -> Any:
@@ -27,7 +98,7 @@ def to_heads(g: Any, x: Any, heads: Sequence[Sequence[int]], rows: Sequence[int]
         The group.
     x : array, shape (B, Hx, rows[me], F)
     heads : one index list per member
-        The heads (of ``Hx``) each member is to hold; all of one length.
+        The heads (of ``Hx``) each member is to hold (their counts may differ).
     rows : one int per member
         Every member's row count.
     """

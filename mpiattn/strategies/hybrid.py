@@ -10,7 +10,9 @@ head subset, each group's rows one explicit layout; an all-to-all brings the
 result back. The backward does the same in reverse. GQA/MQA with fewer
 key/value heads than ``u``: a key/value head is replicated inside the group
 (each member takes the one its query heads use; LoongTrain's way), not the
-whole K/V, and its gradients are summed on the way back. An ``attn_mask``
+whole K/V, and its gradients are summed on the way back. Any ``H >= u`` and any
+``Hkv``: the members' query head counts differ by at most one where ``u`` does not divide
+``H`` (:func:`mpiattn.strategies.heads.shares`). An ``attn_mask``
 moves with the queries (member ``j`` gets its heads' rows of the group's
 queries, or all of them for one broadcast head).
 
@@ -43,7 +45,7 @@ from ..comm.device import configure
 from ..layouts import Layout, all_segments, local_lengths
 from .base import (Phase, Strategy, blocked_memory, heads_memory, row_data_bytes, relaid_bytes,
                    ring_phase, sends_out, spread_phase)
-from .heads import to_heads, to_rows
+from .heads import shares, to_heads, to_rows
 from .ring import Ring
 
 __all__ = ["Hybrid", "PLACEMENTS", "divisors"]
@@ -106,11 +108,8 @@ class Hybrid(Strategy):
     # ------------------------------------------------------------- what it supports
     @staticmethod
     def _heads_fit(spec: Any, u: int) -> str | None:
-        if spec.H % u:
-            return f"the query heads H = {spec.H} do not divide into {u} head groups"
-        if spec.Hkv % u and u % spec.Hkv:
-            return (f"the key/value heads Hkv = {spec.Hkv} neither divide into {u} nor divide {u} "
-                    "(each member's query heads must use whole key/value heads)")
+        if spec.H < u:
+            return f"the query heads H = {spec.H} are fewer than the {u} ranks of a head group"
         return None
 
     def supports(self, spec: Any, topology: Any) -> str | None:
@@ -144,34 +143,38 @@ class Hybrid(Strategy):
         return order.reshape(self.u, self.r).T
 
     @staticmethod
-    def _kv_range(spec: Any, u: int, j: int) -> range:
-        """The key/value heads member ``j`` of a group of ``u`` uses."""
-        hq, G = spec.H // u, spec.H // spec.Hkv
-        return range(j * hq // G, ((j + 1) * hq - 1) // G + 1)
-
-    @classmethod
-    def _kv_heads(cls, spec: Any, u: int, j: int) -> list[int]:
-        return list(cls._kv_range(spec, u, j))
+    def _busiest(spec: Any, u: int) -> tuple[int, int, int]:
+        """The most query heads a member holds, the most key/value heads it receives, and the
+        most its engine sees (one per query head where they are not grouped)."""
+        sh = shares(spec.H, spec.Hkv, u)
+        return (max(len(x.q) for x in sh), max(len(x.kv) for x in sh), max(x.kv_width for x in sh))
 
     # ------------------------------------------------------------- the model
+    @staticmethod
+    def _a2a_bytes(spec: Any, u: int, n: float, m: float, backward: bool) -> float:
+        """Bytes the busiest member of a head group sends in its all-to-alls (``n``, ``m`` query and
+        key rows a member): the other members' heads of its rows in, its heads of their rows back."""
+        s, a, B, E, Ev = spec.itemsize, spec.acc_dtype.itemsize, spec.B, spec.E, spec.Ev
+        sh = shares(spec.H, spec.Hkv, u)
+        K = sum(len(x.kv) for x in sh)  # key/value heads received, a replicated one each time
+        row_in = E * s + ((1 + sends_out(spec)) * Ev * s + 2 * a if backward else 0)  # q (dout, out, lse, D)
+        row_back = E * a if backward else Ev * s + a  # dq; or out and lse
+        kv_back = (E + Ev) * a if backward else 0  # dk, dv
+        return max(B * n * (spec.H - len(x.q)) * row_in + B * m * (E + Ev) * s * (K - len(x.kv))
+                   + (u - 1) * B * (n * len(x.q) * row_back + m * len(x.kv) * kv_back) for x in sh)
+
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P, u, r = topology.P, self.u, self.r
         n, m, s, a = spec.N / P, spec.M / P, spec.itemsize, spec.acc_dtype.itemsize
-        hkv = len(self._kv_range(spec, u, 0))
+        seen = self._busiest(spec, u)[2]
         groups = self._groups(topology)
-        q, o = spec.B * spec.H * spec.E, spec.B * spec.H * spec.Ev
-        kv_dest = spec.B * hkv * (spec.E + spec.Ev) * m  # what a member sends each other member
         mask = row_data_bytes(spec, n) / u if u > 1 else 0.0
-        if not backward:  # q, k, v (and the modifiers' per-row data) in; out, lse back
-            per_dest = (n * (q + o) * s + n * spec.B * spec.H * a) / u + kv_dest * s + mask
-        else:  # q, k, v, dout, out (an engine that needs it), lse, D in; dq, dk, dv back
-            per_dest = ((n * (q * (s + a) + (1 + sends_out(spec)) * o * s) + 2 * n * spec.B * spec.H * a) / u
-                        + kv_dest * (s + a) + mask)
+        per_dest = self._a2a_bytes(spec, u, n, m, backward) / max(u - 1, 1) + mask
         calls = ((8 + sends_out(spec)) if backward else 5) + (mask > 0)
         a2a = spread_phase(topology, groups, per_dest, calls * (u - 1)) if u > 1 else None
-        step = u * m * spec.B * hkv * (spec.E + spec.Ev) * s
+        step = u * m * spec.B * seen * (spec.E + spec.Ev) * s  # what the ring circulates
         if backward:
-            step += u * m * spec.B * hkv * (spec.E + spec.Ev) * a
+            step += u * m * spec.B * seen * (spec.E + spec.Ev) * a
         pieces = max(1, -(-int(u * m) // max(block, 1)))
         ring = ring_phase(topology, groups.T, step, r - 1, pieces)
         return [p for p in (a2a, ring) if p is not None]
@@ -182,13 +185,15 @@ class Hybrid(Strategy):
         if total <= 0:
             return 1.0 / topology.P
         per_rank = row_pairs.per_rank(topology.P, spec.layout)
-        return float(per_rank[self._groups(topology)].sum(axis=1).max()) / total / self.u
+        hq = self._busiest(spec, self.u)[0]  # (H / u where u divides H)
+        return float(per_rank[self._groups(topology)].sum(axis=1).max()) / total * hq / spec.H
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         if self.u is None or self.u == 1:  # a ring over copies of q, out, k, v made by the split
             return blocked_memory(spec, P, block, backward, moved=relaid_bytes(spec, P, out=True))
-        return heads_memory(spec, P, block, backward, self.u,
-                            circulation="ring" if self.r > 1 else "none")
+        hq, _, seen = self._busiest(spec, self.u)  # (the busiest member's, as if every member's)
+        return heads_memory(replace(spec, H=hq * self.u, Hkv=seen * self.u), P, block, backward,
+                            self.u, circulation="ring" if self.r > 1 else "none")
 
     # ------------------------------------------------------------- the call
     def _plan(self, c: Any, pb: Any) -> tuple:
@@ -201,23 +206,22 @@ class Hybrid(Strategy):
         for sub in (gc, rc):  # CuPy buffers: the parent's transport (collective on each sub)
             if c.device_transport is not None and sub.device_transport is None:
                 configure(sub, transport=c.device_transport.name)
-        hq = s.H // self.u
-        q_heads = [list(range(i * hq, (i + 1) * hq)) for i in range(self.u)]
-        kv_heads = [self._kv_heads(s, self.u, i) for i in range(self.u)]
+        sh = shares(s.H, s.Hkv, self.u)
+        q_heads, kv_heads, me = [list(x.q) for x in sh], [list(x.kv) for x in sh], sh[j]
         q_segs = all_segments(s.N, c.size, s.layout)
         k_segs = all_segments(s.M, c.size, s.kv_layout)
         q_lay = Layout([[(a, a + ln) for rank in grp for a, ln in q_segs[rank]] for grp in groups])
         k_lay = Layout([[(a, a + ln) for rank in grp for a, ln in k_segs[rank]] for grp in groups])
         n_rows = [local_lengths(s.N, c.size, s.layout)[rank] for rank in groups[g]]
         m_rows = [local_lengths(s.M, c.size, s.kv_layout)[rank] for rank in groups[g]]
-        spec_r = replace(s, H=hq, Hkv=len(kv_heads[j]), layout=q_lay, kv_layout=k_lay)
+        spec_r = replace(s, H=len(me.q), Hkv=me.kv_width, layout=q_lay, kv_layout=k_lay)
         pb_r = replace(pb, spec=spec_r, P=self.r, rank=g, strategy=_RING, heads=tuple(q_heads[j]))
         if pb.mods is not None and pb.mods.has_rows and self.u > 1:
             # the modifiers' per-row data: the group's rows of this member's heads (or the one head's)
             pb_r = replace(pb_r, mods=pb.mods.with_rows(
                 lambda m: to_heads(gc, m, q_heads if m.shape[1] > 1 else [[0]] * self.u, n_rows),
                 q_heads[j][0]))
-        return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r
+        return gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r, me
 
     @staticmethod
     def _group_mask(gc: Any, mask: Any, m_rows: list) -> Any:
@@ -227,10 +231,10 @@ class Hybrid(Strategy):
         return to_heads(gc, mask[:, None, :, None], [[0]] * gc.size, m_rows)[:, 0, :, 0]
 
     def forward(self, c: Any, pb: Any, q: Any, k: Any, v: Any, mask: Any, progress: Any) -> tuple:
-        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r = self._plan(c, pb)
+        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r, me = self._plan(c, pb)
         qh = to_heads(gc, q, q_heads, n_rows)
-        kh = to_heads(gc, k, kv_heads, m_rows)
-        vh = to_heads(gc, v, kv_heads, m_rows)
+        kh = me.expand(to_heads(gc, k, kv_heads, m_rows))
+        vh = me.expand(to_heads(gc, v, kv_heads, m_rows))
         o, lse = _RING.forward(rc, pb_r, qh, kh, vh, self._group_mask(gc, mask, m_rows), progress)
         out = to_rows(gc, o.astype(pb.spec.dtype, copy=False), q_heads, n_rows, pb.spec.H)
         lse = to_rows(gc, lse[..., None], q_heads, n_rows, pb.spec.H)[..., 0]
@@ -238,17 +242,17 @@ class Hybrid(Strategy):
 
     def backward(self, c: Any, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                  D: Any, mask: Any, progress: Any) -> tuple:
-        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r = self._plan(c, pb)
+        gc, rc, q_heads, kv_heads, n_rows, m_rows, pb_r, me = self._plan(c, pb)
         s = pb.spec
         xp = backend.array_module(lse)
         qh = to_heads(gc, q, q_heads, n_rows)
-        kh = to_heads(gc, k, kv_heads, m_rows)
-        vh = to_heads(gc, v, kv_heads, m_rows)
+        kh = me.expand(to_heads(gc, k, kv_heads, m_rows))
+        vh = me.expand(to_heads(gc, v, kv_heads, m_rows))
         doh = to_heads(gc, dout, q_heads, n_rows)
         oh = to_heads(gc, out, q_heads, n_rows) if pb.engine.capabilities.needs_out else None
         stats = xp.stack([lse.astype(s.acc_dtype), D], axis=-1)
         sh = to_heads(gc, stats, q_heads, n_rows)
         dq, dk, dv = _RING.backward(rc, pb_r, doh, qh, kh, vh, oh, sh[..., 0], sh[..., 1],
                                     self._group_mask(gc, mask, m_rows), progress)
-        return (to_rows(gc, dq, q_heads, n_rows, s.H), to_rows(gc, dk, kv_heads, m_rows, s.Hkv),
-                to_rows(gc, dv, kv_heads, m_rows, s.Hkv))
+        return (to_rows(gc, dq, q_heads, n_rows, s.H), to_rows(gc, me.fold(dk), kv_heads, m_rows, s.Hkv),
+                to_rows(gc, me.fold(dv), kv_heads, m_rows, s.Hkv))

@@ -1,8 +1,13 @@
 """Ulysses attention: all-to-all from sequence-sharded to head-sharded and back.
 
 Each rank attends its ``H/P`` heads over the whole sequence with the local
-engine (Jacobs et al. 2023, DeepSpeed-Ulysses). Needs ``H`` and ``Hkv``
-divisible by ``P``.
+engine (Jacobs et al. 2023, DeepSpeed-Ulysses). Any ``H >= P`` and any ``Hkv``:
+where ``P`` does not divide ``H`` and ``Hkv``, the ranks hold ``H // P`` or
+``H // P + 1`` query heads and every key/value head their query heads use (a
+key/value head replicated on the ranks that share it, its gradients summed on
+the way back): the all-to-all of the hybrid's one head group of ``P`` ranks
+(``hybrid:Px1``, :func:`mpiattn.strategies.heads.shares`), which this strategy
+then runs.
 
 An ``attn_mask`` moves with the queries: each rank gets its heads' rows of
 every query, ``(1 or B, H/P, N, M)``, or all of one broadcast head,
@@ -29,6 +34,7 @@ from ..layouts import all_segments, local_lengths
 from ..masks.ids import global_rows
 from .base import Phase, Strategy, heads_memory, row_data_bytes, sends_out, spread_phase
 from .blocked import KeyBlock, run_backward, run_forward
+from .hybrid import Hybrid
 
 __all__ = ["Ulysses"]
 
@@ -107,16 +113,22 @@ class Ulysses(Strategy):
 
     name = "ulysses"
 
+    @staticmethod
+    def _uneven(spec: Any, P: int) -> Hybrid | None:
+        """The head group that runs a call whose heads ``P`` does not divide (else None)."""
+        return Hybrid(P, 1) if spec.H % P or spec.Hkv % P else None
+
     def supports(self, spec: Any, topology: Any) -> str | None:
         P = topology.P
-        if spec.H % P or spec.Hkv % P:
-            return (f"strategy 'ulysses' needs the query heads H = {spec.H} and key/value heads "
-                    f"Hkv = {spec.Hkv} divisible by the number of ranks ({P}); use 'ring' or "
-                    "'allgather', or another rank count")
+        if spec.H < P:
+            return (f"strategy 'ulysses' needs at least one query head per rank: H = {spec.H} "
+                    f"heads, {P} ranks; use 'ring' or 'allgather', or fewer ranks")
         return None
 
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P = topology.P
+        if (group := self._uneven(spec, P)) is not None:
+            return group.traffic(spec, topology, block, backward)
         if P == 1:
             return []
         n, m, s = spec.N / P, spec.M / P, spec.itemsize
@@ -134,14 +146,19 @@ class Ulysses(Strategy):
         return [spread_phase(topology, range(P), per_rank / P, (8 + out + (mask > 0)) * (P - 1))]
 
     def work(self, spec: Any, topology: Any, row_pairs: Any) -> float:
-        """Every rank attends the whole sequence for its heads: an even share."""
-        return 1.0 / topology.P
+        """Every rank attends the whole sequence for its heads: an even share (the most heads a
+        rank holds, where they do not divide)."""
+        return -(-spec.H // topology.P) / spec.H
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
+        if (group := self._uneven(spec, P)) is not None:
+            return group.memory(spec, P, block, backward)
         return heads_memory(spec, P, block, backward, P, circulation="none")
 
     def forward(self, c: Comm, pb: Any, q: Any, k: Any, v: Any, mask: Any,
                 progress: Any) -> tuple[Any, Any]:
+        if (group := self._uneven(pb.spec, c.size)) is not None:
+            return group.forward(c, pb, q, k, v, mask, progress)
         s = pb.spec
         qh = _seq_to_heads(c, q, s.N, s.layout)
         kh = _seq_to_heads(c, k, s.M, s.kv_layout)
@@ -154,6 +171,8 @@ class Ulysses(Strategy):
 
     def backward(self, c: Comm, pb: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                  D: Any, mask: Any, progress: Any) -> tuple[Any, Any, Any]:
+        if (group := self._uneven(pb.spec, c.size)) is not None:
+            return group.backward(c, pb, dout, q, k, v, out, lse, D, mask, progress)
         xp = backend.array_module(q)
         s = pb.spec
         qh = _seq_to_heads(c, q, s.N, s.layout)

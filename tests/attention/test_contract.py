@@ -73,6 +73,7 @@ class Case:
     softcap: float | None = None
     score_mod: str | None = None  # a name of property_calls.SCORE_MODS
     sinks: bool = False
+    heads: bool = False  # a case of head counts the ranks do not divide: head-sharded strategies only
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -152,7 +153,18 @@ def _flash_scores_sample():
     return out
 
 
-CASES = BASE + _flash_grid_sample() + _flash_scores_sample()
+def _heads_sample():
+    """Issue 41's head counts, H in {6, 12, 20} and Hkv in {1, 2, 3}, for ulysses and the hybrid's
+    splits (uneven query heads, key/value heads replicated where several ranks use them)."""
+    out = []
+    for i, (H, Hkv) in enumerate([(6, 1), (6, 2), (6, 3), (12, 1), (12, 2), (12, 3), (20, 1), (20, 2)]):
+        out.append(Case(f"heads-{H}x{Hkv}", ("float32", "float64")[i % 2], B=1, H=H, Hkv=Hkv,
+                        N=19 + 2 * i, E=8, causal=bool(i % 3), layout=("zigzag", "contiguous")[i % 2],
+                        block=8, seed=100 + i, heads=True, sinks=i == 4, pad=i == 5))
+    return out
+
+
+CASES = BASE + _flash_grid_sample() + _flash_scores_sample() + _heads_sample()
 #: Every configured strategy for 1-4 ranks: the plain ones and every ``hybrid:UxR`` split in each
 #: placement (a run skips the splits whose ``U x R`` is not its rank count).
 STRATEGIES = list(dict.fromkeys(name for P in range(1, 5) for name in registry.variants(P)))
@@ -250,6 +262,11 @@ def _options(case, strategy, engine):
 def _skip_reason(topology, strategy, engine, case, device):
     """Why ``strategy`` with ``engine`` does not run ``case`` on ``topology`` (None: it does)."""
     s = registry.get(strategy)
+    u = topology.P if s.name == "ulysses" else getattr(s, "u", None)  # its head group's ranks
+    if case.heads and not (u and u > 1):
+        return "a heads case: the head-sharded strategies (ulysses, hybrid:UxR with U > 1) only"
+    if not case.heads and u and u > 1 and (case.H % u or (case.Hkv % u and u % case.Hkv)):
+        return "heads the group does not divide: the heads-* cases test those"
     if not s.uses_engine and engine != engines.AUTO[0]:
         return f"strategy {strategy!r} runs no engine (tested once, with the default)"
     if "ring-first" in strategy and topology.n_nodes == 1:

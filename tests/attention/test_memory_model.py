@@ -54,6 +54,8 @@ def test_the_memory_model_predicts_the_peak_within_25_percent(comm, name, backwa
     spec = AttentionSpec.from_shapes(shape, shape, shape, np.float32, Options(strategy=name))
     model = registry.get(used["strategy"]).memory(spec, P, used["block_size"], backward)
     ratios = comm.allgather_obj(peak / model)
+    if name in ("ulysses", "hybrid") and H % P:  # uneven heads: the model's peak is the busiest rank's
+        ratios = [max(ratios)]
     assert all(0.75 <= r <= 1.25 for r in ratios), (
         f"{used['strategy']} at P = {P}, N = {N}: measured / predicted per rank "
         f"{[round(r, 2) for r in ratios]} (predicted {model / 2**20:.1f} MiB)")
