@@ -18,6 +18,7 @@ their gradients back (:meth:`Share.fold`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,24 +35,32 @@ class Share:
 
     Attributes
     ----------
-    q : tuple of int
+    q : range
         Its query heads (global indices, consecutive).
-    kv : tuple of int
+    kv : range
         The key/value heads they use (global, consecutive): what it receives.
-    uses : tuple of int
-        For each of its query heads, the index in ``kv`` of the key/value head it uses.
+    G : int
+        Query heads per key/value head (``H / Hkv``).
     """
 
-    q: tuple
-    kv: tuple
-    uses: tuple
+    q: range
+    kv: range
+    G: int
+
+    @property
+    def uses(self) -> list[int]:
+        """For each of its query heads, the index in ``kv`` of the key/value head it uses."""
+        return [h // self.G - self.kv.start for h in self.q]
 
     @property
     def grouped(self) -> bool:
         """Its query heads use ``kv`` in the engine's grouping (local query head ``i`` with
-        local key/value head ``i // (len(q) / len(kv))``)."""
-        g, rest = divmod(len(self.q), len(self.kv))
-        return rest == 0 and all(u == i // g for i, u in enumerate(self.uses))
+        local key/value head ``i // (len(q) / len(kv))``): each of its key/value heads serves
+        as many of its query heads (decided from the first and last one's counts: the others
+        serve ``G``)."""
+        first = min(len(self.q), self.G - self.q.start % self.G)
+        last = len(self.q) - first - self.G * max(len(self.kv) - 2, 0) if len(self.kv) > 1 else first
+        return first == last and (len(self.kv) <= 2 or first == self.G)
 
     @property
     def kv_width(self) -> int:
@@ -61,7 +70,7 @@ class Share:
     def expand(self, x: Any) -> Any:
         """``(B, len(kv), L, F)`` -> what its engine reads: itself when grouped, else one
         key/value head per query head ``(B, len(q), L, F)`` (a copy)."""
-        return x if self.grouped else x[:, list(self.uses)]
+        return x if self.grouped else x[:, self.uses]
 
     def fold(self, dx: Any) -> Any:
         """Inverse of :meth:`expand` for gradients: ``(B, kv_width, L, F)`` -> ``(B, len(kv), L, F)``,
@@ -75,18 +84,18 @@ class Share:
         return out
 
 
-def shares(H: int, Hkv: int, u: int) -> list[Share]:
+@functools.lru_cache(maxsize=64)
+def shares(H: int, Hkv: int, u: int) -> tuple[Share, ...]:
     """The heads of each of ``u`` members (module docstring); ValueError when ``H < u`` (a member
-    would hold no head)."""
+    would hold no head). ``O(u)``, whatever ``H`` (kept for the cost model's repeated calls)."""
     if H < u:
         raise ValueError(f"{H} query heads cannot be split over {u} ranks (each needs one)")
     G = H // Hkv
     out = []
     for j in range(u):
-        q = tuple(range(j * H // u, (j + 1) * H // u))
-        kv = tuple(range(q[0] // G, q[-1] // G + 1))
-        out.append(Share(q, kv, tuple(h // G - kv[0] for h in q)))
-    return out
+        q = range(j * H // u, (j + 1) * H // u)
+        out.append(Share(q, range(q[0] // G, q[-1] // G + 1), G))
+    return tuple(out)
 
 
 def to_heads(g: Any, x: Any, heads: Sequence[Sequence[int]], rows: Sequence[int]) -> Any:

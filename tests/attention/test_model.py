@@ -44,8 +44,11 @@ def test_hybrid_splits_and_what_they_support():
     topo = Topology.blocks(4, 2)
     assert [c.label for c in Hybrid().candidates(_spec(H=8, Hkv=2), topo)] == \
         ["hybrid:1x4", "hybrid:2x2", "hybrid:4x1"]  # Hkv = 2 < u = 4: key/value heads replicated
-    assert [c.label for c in Hybrid().candidates(_spec(H=6, Hkv=3), topo)] == ["hybrid:1x4"]
-    assert "do not divide" in Hybrid(4, 1).supports(_spec(H=6, Hkv=6), topo)
+    # H = 6 over 4: 1 or 2 query heads a member (uneven), Hkv = 3 replicated where shared
+    assert [c.label for c in Hybrid().candidates(_spec(H=6, Hkv=3), topo)] == \
+        ["hybrid:1x4", "hybrid:2x2", "hybrid:4x1"]
+    assert [c.label for c in Hybrid().candidates(_spec(H=2, Hkv=1), topo)] == ["hybrid:1x4", "hybrid:2x2"]
+    assert "fewer than the 4 ranks" in Hybrid(4, 1).supports(_spec(H=3, Hkv=3), topo)
     assert "needs U x R = 2 ranks" in Hybrid(2, 1).supports(_spec(), topo)
     groups, rings = Hybrid(2, 2).grid(Topology.parse("0,1,0,1", 4))
     assert groups == [[0, 2], [1, 3]] and rings == [[0, 1], [2, 3]]  # head groups inside the nodes

@@ -287,11 +287,12 @@ def test_on_a_fake_device_it_gathers(comm, monkeypatch):
     from helpers import install_fake_cupy
 
     fake = install_fake_cupy(monkeypatch)
+    own = comm.mpi.Dup()  # (its device transport stays on a communicator of its own)
     try:
         N = 13
         data = _data(N, N, 2, seed=6)
         bias = RelativeBias(_table(2 * N), N)
-        kw = dict(causal=True, strategy="ring", block_size=4, score_mod=bias)
+        kw = dict(causal=True, strategy="ring", block_size=4, score_mod=bias, comm=own)
         out, lse = mpiattn.attention(*data[:3], **kw)
         grads = mpiattn.attention_backward(data[3], *data[:3], out, lse, **kw)
         dev = [fake.asarray(x) for x in data]
@@ -300,4 +301,5 @@ def test_on_a_fake_device_it_gathers(comm, monkeypatch):
         for a, b in zip((d_out, d_lse, *d_grads[:3]), (out, lse, *grads[:3])):
             np.testing.assert_allclose(host(a), b, rtol=1e-12, atol=1e-12)
     finally:
+        own.Free()
         fake_cupy.shutdown()

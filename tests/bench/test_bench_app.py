@@ -70,7 +70,7 @@ def test_help_and_listing(serial_only):
     lines = text.splitlines()
     assert "auto/native N=16384 P=1 [engines]" in lines[0] and "auto/torch N=16384 P=1 [engines]" in lines[1]
     rc, text, err = _py("-m", "mpiattn", "bench", "--impl", "ulysses", "--ranks", "2", "--list")
-    assert rc == 0 and "ulysses N=4096 P=2 [quick]  skipped: strategy 'ulysses' needs the query heads" in text, err
+    assert rc == 0 and "ulysses N=4096 P=2 [quick]  skipped: strategy 'ulysses' needs at least one query head per rank" in text, err
     rc, text, err = _py("-m", "mpiattn", "bench", "--engines", "fast", "--list")
     assert rc == 2 and f"'fast' is not one of {', '.join(engines.NAMES)}" in err
 
