@@ -183,16 +183,30 @@ def cmd_info(args: Any, con: Console) -> int:
         con.say("GPUs       " + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gpus)))
     con.say(f"CUDA-aware {transport}")
     _threads_lines(c, con, hosts, getattr(args, "threads_info", None))
-    con.say("engines    " + "; ".join(_engine_line(c, e) for e in engines.ENGINES.values())
+    ok, said = status[c.rank]  # said: "none (why)" where this rank has no usable GPU
+    gpu_why = None if ok else "no usable GPU: " + (said[6:-1] if said.startswith("none (") else said)
+    con.say("engines    " + "; ".join(_engine_line(c, e, gpu_why) for e in engines.ENGINES.values())
             + f"; auto: the fastest a calibrated machine measured, else {engines.AUTO[0]}")
     return 0
 
 
-def _engine_line(c: Any, engine: Any) -> str:
-    """``native: usable``, or ``torch: not usable (rank 1: ...)`` (collective; may import torch)."""
-    why = c.allgather_obj(engine.usable("numpy"))
-    bad = [(r, w) for r, w in enumerate(why) if w is not None]
-    return f"{engine.name}: usable" if not bad else f"{engine.name}: not usable (rank {bad[0][0]}: {bad[0][1]})"
+def _engine_line(c: Any, engine: Any, gpu_why: str | None) -> str:
+    """``native: usable (CPU)``, ``fused: not usable (CuPy arrays only; rank 0: ...)``.
+
+    Collective; may import torch. An engine is usable on a device when every
+    rank can run it there: the CPU (NumPy arrays) needs only the engine's own
+    check, the GPU (CuPy arrays) also a usable GPU on the rank (``gpu_why``:
+    None where this rank has one, else why not).
+    """
+    devices = [d for d in ("numpy", "cupy") if d in engine.capabilities.dtypes]
+    mine = {d: (gpu_why if d == "cupy" and gpu_why else engine.usable(d)) for d in devices}
+    whys = c.allgather_obj(mine)
+    where = [{"numpy": "CPU", "cupy": "GPU"}[d] for d in devices if all(w[d] is None for w in whys)]
+    if where:
+        return f"{engine.name}: usable ({', '.join(where)})"
+    only = "" if len(devices) > 1 else f"{'CuPy' if devices == ['cupy'] else 'NumPy'} arrays only; "
+    r, why = next((r, w[d]) for d in devices for r, w in enumerate(whys) if w[d] is not None)
+    return f"{engine.name}: not usable ({only}rank {r}: {why})"
 
 
 def _threads_lines(c: Any, con: Console, hosts: list[str], threads: Any) -> None:

@@ -207,12 +207,13 @@ def _write_results(c: Any, con: Console, path: str, results: dict[str, np.ndarra
     io.write_rows(path, rows, c, layout=layout, attrs=attrs, force=force, outputs=con.outputs)
 
 
-def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
+def _check(c: Any, con: Console, results: dict[str, np.ndarray], inp: Any, st: Settings,
            limit_gib: float) -> str:
     """Gather everything to rank 0 and compare with :func:`mpiattn.kernels.reference.dense_attention`.
 
     Returns the verdict line; raises RuntimeError on every rank when an error
-    exceeds the tolerance of the compute dtype (:data:`CHECK_TOL`).
+    exceeds the tolerance of the compute dtype (:data:`CHECK_TOL`). Rank 0 reports
+    its progress per block of reference rows (``con.progress("check")``).
     """
     B, H, _, E = inp.q.shape
     Hkv, Ev = inp.k.shape[1], inp.v.shape[3]
@@ -241,6 +242,7 @@ def _check(c: Any, results: dict[str, np.ndarray], inp: Any, st: Settings,
                                   o.causal, g["q"].shape[-2], g["k"].shape[-2])), scale=o.scale,
                               key_padding_mask=g.get("key_padding_mask"),
                               segment_ids=g.get("segment_ids"), kv_segment_ids=g.get("kv_segment_ids"),
+                              progress=con.progress("check"),
                               **replace(st.score_of(inp), **{n: g.get(n) for n in stored.ROWS}).keywords())
         found = check_errors({name: g[name] for name in results}, ref, g["q"], g["k"], g["v"],
                              g.get("dout"), o.scale)
@@ -438,7 +440,7 @@ def run_file(c: Any, con: Console, args: Any, path: str, output: str, force: boo
     verdict = None
     if getattr(args, "check", True):
         with timer.phase("check"):
-            verdict = _check(c, results, inp, st, getattr(args, "check_limit_gib", 4.0))
+            verdict = _check(c, con, results, inp, st, getattr(args, "check_limit_gib", 4.0))
     with timer.phase("write"):
         threads = getattr(args, "threads_info", None)
         attrs_out = {**_output_attrs(c, inp, st, hosts, timer, threads), "check": verdict,

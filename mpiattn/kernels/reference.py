@@ -24,7 +24,7 @@ Math, per batch entry and query head (``s`` the scale; the modifiers of
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -77,7 +77,8 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
                     segment_ids: Any = None, kv_segment_ids: Any = None, dtype: Any = np.float64,
                     block_rows: int | None = 256, softcap: float | None = None,
                     alibi_slopes: Any = None, attn_mask: Any = None, mask_mod: Any = None,
-                    sinks: Any = None, score_mod: Any = None) -> Exact:
+                    sinks: Any = None, score_mod: Any = None,
+                    progress: Callable[[int, int], None] | None = None) -> Exact:
     """Exact attention (and, with ``dout``, its gradients) on global arrays, one process.
 
     Parameters
@@ -110,6 +111,8 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
         a block of rows at once).
     attn_mask : array, shape (B or 1, H or 1, N, M), optional
         The whole mask (every query row), bool or float.
+    progress : callable, optional
+        Called as ``progress(rows_done, N)`` after each block of rows.
 
     Returns
     -------
@@ -202,6 +205,8 @@ def dense_attention(q: Any, k: Any, v: Any, dout: Any = None, *, mask: MaskSpec 
             dkk += s * xp.matmul(dS.swapaxes(-1, -2), q[:, :, i0:i1])
             if dsinks is not None:
                 dsinks -= (xp.exp(sink - lse[:, :, i0:i1, None]) * D).sum(axis=(0, 2, 3))
+        if progress is not None:
+            progress(i1, N)
     if grads and G > 1:
         dkk = dkk.reshape(B, hkv, G, M, E).sum(axis=2)
         dvv = dvv.reshape(B, hkv, G, M, Ev).sum(axis=2)

@@ -205,6 +205,25 @@ def test_failed_check_exits_1(comm, capsys, shared_dir, monkeypatch):
     assert code == 0 and (comm.rank or "skipped" in text)
 
 
+def test_check_reports_its_progress_like_the_other_phases(comm, capsys, shared_dir, monkeypatch):
+    """--check prints a line per 10 % of the reference's rows (blocks of 256) once it runs long."""
+    from mpiattn.cli import common
+
+    code, _, err = run(comm, capsys, "make-data", os.path.join(shared_dir, "in.h5"), "--heads", 2,
+                       "--seq", 600, "--dim", 4, "--with-dout", "-q")
+    assert code == 0, err
+    monkeypatch.setattr(common, "PROGRESS_AFTER_S", 0.0)  # every phase counts as long
+    code, text, err = run(comm, capsys, "run", os.path.join(shared_dir, "in.h5"), "-o",
+                          os.path.join(shared_dir, "o.h5"), "--check")
+    assert code == 0, err
+    lines = [ln for ln in text.splitlines() if ln.startswith("  check  ")]
+    assert [ln.split(",")[0] for ln in lines[:3]] == [
+        "  check     42 % (256/600 steps", "  check     85 % (512/600 steps",
+        "  check    100 % (600/600 steps"], text
+    assert lines[3].endswith("OK") and len(lines) == 4, text  # then the verdict
+    assert any(ln.startswith("  forward  100 %") for ln in text.splitlines()), text
+
+
 USAGE = [["run"], ["run", "in.h5"], ["run", "in.h5", "-o", "o.h5", "--block-size", "0"],
          ["run", "in.h5", "-o", "o.h5", "--strategy", "best"], ["run", "in.h5", "-o", "o.h5",
                                                                 "--scale", "nan"],
@@ -253,6 +272,21 @@ def test_help_version_info(comm, capsys):
         for word in ("mpi4py", "MPI", f"ranks      {comm.size} on", "parallel HDF5", "GPUs",
                      "CUDA-aware"):
             assert word in text, (word, text)
+
+
+def test_info_says_an_engine_no_device_here_can_run_is_not_usable(comm, capsys, monkeypatch):
+    from mpiattn.cli import commands
+
+    # rank 1 (or 0 alone) has no GPU: the fused engine (CuPy only) is usable nowhere
+    monkeypatch.setattr(commands, "gpu_status", lambda: (False, "none (cupy not installed)"))
+    code, text, err = run(comm, capsys, "info")
+    assert code == 0, err
+    line = [ln for ln in text.splitlines() if ln.startswith("engines")]
+    if comm.rank == 0:
+        assert len(line) == 1, text
+        assert line[0].startswith("engines    native: usable (CPU); fused: not usable (CuPy arrays "
+                                  "only; rank 0: no usable GPU: cupy not installed); torch: "), line
+        assert "fused: usable" not in line[0], line
 
 
 def test_device_gpu_without_gpu_exits_1(comm, capsys, shared_dir):

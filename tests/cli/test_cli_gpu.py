@@ -70,3 +70,12 @@ def test_run_on_fake_gpu(comm, capsys, shared_dir, fake_gpu, monkeypatch, flag, 
                     key_padding_mask=data["key_padding_mask"])
     for name in ("out", "dq", "dk", "dv"):
         np.testing.assert_allclose(got[name], getattr(ref, name), atol=1e-12, err_msg=name)
+
+
+def test_info_on_fake_gpus_says_where_each_engine_runs(comm, capsys, fake_gpu):
+    code = cli.main(["info"])
+    text, err = capsys.readouterr()
+    assert comm.allgather_obj(code) == [0] * comm.size, err
+    if comm.rank == 0:
+        line = next(ln for ln in text.splitlines() if ln.startswith("engines"))
+        assert "native: usable (CPU, GPU); fused: usable (GPU); torch: " in line, line
