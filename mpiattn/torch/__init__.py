@@ -6,7 +6,8 @@ own memory (:mod:`mpiattn.torch.tensors`); every function is collective over
 its communicator, forward and backward.
 
 Modules, bottom to top: ``tensors`` (tensors as NumPy/CuPy arrays, the local
-checks), ``functions`` (:func:`attention`, :func:`matmul_nt`,
+checks), ``ops`` (attention as custom operators, for ``torch.compile(fullgraph=True)``),
+``functions`` (:func:`attention`, :func:`matmul_nt`,
 :func:`matmul_nn`, :func:`matmul_tn`), ``collectives`` (:func:`shard`,
 :func:`gather`, :func:`reduce_gradients`), ``modules``
 (:class:`MultiheadAttention`).

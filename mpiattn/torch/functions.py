@@ -28,35 +28,14 @@ from torch.autograd.function import once_differentiable
 from .. import products
 from ..comm.core import Comm, get_comm
 from ..masks.score import NAMES, Score
-from ..masks.sinks import local_sink_gradient
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies.plan import reuse_or_plan
+from .ops import EXTRA, agree, compiled_attention, sink_gradient, with_lse_gradient
 from .scoremod import TorchScoreMod, captured
-from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
+from .tensors import on_device, to_array, to_tensor
 
 __all__ = ["attention", "plan_for", "matmul_nt", "matmul_nn", "matmul_tn"]
-
-
-def _agree(c: Comm, call: str, operands: dict[str, Any], extra: dict[str, Any] | None = None,
-           flags: dict | None = None, score: Score | None = None) -> dict:
-    """Check the tensors on every rank (one allgather, the call ``call``); returns the extra
-    arguments as arrays (and ``score``, its tensors made arrays, as ``"score"``).
-
-    ``flags`` are further facts every rank must share (e.g. ``return_lse``).
-    """
-    got: dict = {}
-
-    def local() -> dict:
-        check_operands(operands)
-        device = next(iter(operands.values())).device
-        got.update(check_extra(extra or {}, device))
-        if score is not None:
-            got["score"] = score.map_arrays(lambda name, x: check_extra({name: x}, device)[name])
-        return {**facts(operands), **(flags or {})}
-
-    c.agree(local, call=f"mpiattn.torch.{call}")
-    return got
 
 
 @dataclass
@@ -114,9 +93,9 @@ class _Attention(torch.autograd.Function):
         dsinks = None
         if call.sinks is not None and ctx.needs_input_grad[3]:
             with on_device(q.device):
-                dsinks = _sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
-        if call.lse_grad:  # the same on every rank (agreed): see _with_lse_gradient
-            v, dout, out = _with_lse_gradient(v, dout, out, dlse)
+                dsinks = sink_gradient(call.sinks, out, lse, dout, dlse).to(**ctx.sinks_to)
+        if call.lse_grad:  # the same on every rank (agreed): see ops.with_lse_gradient
+            v, dout, out = with_lse_gradient(v, dout, out, dlse)
         if call.mod is not None:  # its captured tensors' gradients, anew
             call.mod.start_backward()
         with on_device(q.device):
@@ -132,19 +111,6 @@ class _Attention(torch.autograd.Function):
         return (dq, dk, dv[..., :Ev], dsinks, None, *(() if call.mod is None else call.mod.gradients()))
 
 
-def _sink_gradient(sinks: Any, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                   dlse: torch.Tensor | None) -> torch.Tensor:
-    """This rank's part of the sinks' gradient (``reduce_gradients`` sums the ranks' parts, as
-    for every other parameter): :func:`mpiattn.masks.sinks.local_sink_gradient` with
-    ``D = rowsum(dout * out) - dlse`` (``d lse / d σ_h = exp(σ_h - lse)``; ``dlse`` only when
-    ``lse`` is returned)."""
-    acc = lse.dtype
-    D = (dout.to(acc) * out.to(acc)).sum(-1)
-    if dlse is not None:
-        D = D - dlse.to(acc)
-    return to_tensor(local_sink_gradient(sinks, to_array(lse), to_array(D.contiguous())))
-
-
 def _first_order_only(what: str) -> None:
     """Refuse a backward that builds a graph (``create_graph=True``): its gradients would come
     back detached, and a second-order loss would get silently wrong gradients."""
@@ -152,23 +118,6 @@ def _first_order_only(what: str) -> None:
         raise RuntimeError(f"mpiattn.torch.{what}: second-order gradients (backward or "
                            "torch.autograd.grad with create_graph=True) are not supported; its "
                            "backward is the library's hand-derived first-order one")
-
-
-def _with_lse_gradient(v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor,
-                       dlse: torch.Tensor | None) -> tuple:
-    """``v``, ``dout``, ``out`` with one more column, so the attention backward adds ``lse``'s.
-
-    ``d lse_i / d S_ij = P_ij``, so the score gradient ``P * (dP - D)`` gains
-    ``P * dlse``. Appending a column of ones to ``v``, ``dlse`` to ``dout`` and
-    zeros to ``out`` gives ``dP'_ij = dP_ij + dlse_i`` and leaves ``D`` as it
-    was: the library's backward (any engine) then returns the gradients of
-    both outputs. Costs a copy of ``v``, ``dout`` and ``out``.
-    """
-    ones = torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)
-    g = torch.zeros(out.shape[:-1], dtype=out.dtype, device=out.device) if dlse is None else \
-        dlse.to(out.dtype)
-    return (torch.cat([v, ones], dim=-1), torch.cat([dout, g[..., None]], dim=-1),
-            torch.cat([out, torch.zeros_like(g)[..., None]], dim=-1))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = None,
@@ -259,6 +208,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     >>> out.sum().backward(); q.grad.shape
     torch.Size([1, 2, 5, 4])
     """
+    if torch.compiler.is_compiling():  # custom operators a full graph holds (mpiattn.torch.ops)
+        given = dict(sinks=sinks, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+                     kv_segment_ids=kv_segment_ids, attn_mask=attn_mask, alibi_slopes=alibi_slopes)
+        loose = dict(options, mask_mod=mask_mod, score_mod=score_mod, **(
+            {} if score is None else {"score": score}))
+        return _compiled(q, k, v, comm, given, loose, return_lse, details, progress, planned)
     c = get_comm(comm)
     if score is not None:  # one object, or its fields as keywords: the same call
         score = Score.of(score, attn_mask=attn_mask, mask_mod=mask_mod, score_mod=score_mod,
@@ -273,7 +228,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
         mod = TorchScoreMod(score_mod, captured(score_mod) if torch.is_grad_enabled() else ())
     sinks_t = sinks if isinstance(sinks, torch.Tensor) else None
     sinks_grad = bool(torch.is_grad_enabled() and sinks_t is not None and sinks_t.requires_grad)
-    ids = _agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
+    ids = agree(c, "attention", {"q": q, "k": k, "v": v}, {"key_padding_mask": key_padding_mask,
                                                  "segment_ids": segment_ids,
                                                  "kv_segment_ids": kv_segment_ids},
                  {"return_lse": bool(return_lse), "sinks (given, requires_grad)": (
@@ -297,6 +252,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Any = 
     call = _Call(c, dict(options, **ids), details, progress, lse_grad, planned, host, mod)
     out, lse = _Attention.apply(q, k, v, sinks_t, call, *(() if mod is None else mod.params))
     return (out, lse) if return_lse else out
+
+
+def _compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Any, given: dict,
+              loose: dict, return_lse: bool, details: Any, progress: Any, planned: Any) -> Any:
+    """:func:`attention` while ``torch.compile`` traces it (:mod:`mpiattn.torch.ops`): the
+    tensors as the operator's inputs, the rest in its handle; what it cannot take named."""
+    score = loose.pop("score", None)
+    if score is not None:  # (a Score's fields join the keywords; tensors among them too)
+        for name in score.given():
+            (given if name in EXTRA else loose)[name] = getattr(score, name)
+    refused = tuple(n for n, given in (("details", details is not None),
+                                       ("progress", progress is not None),
+                                       ("planned", planned is not None),
+                                       ("max_logit", bool(loose.get("max_logit"))),
+                                       ("score_mod", loose.get("score_mod") is not None)) if given)
+    keywords = {n: x for n, x in loose.items() if x is not None and n not in ("max_logit", "score_mod")}
+    return compiled_attention(q, k, v, comm, {n: x for n, x in given.items() if x is not None},
+                              keywords, return_lse, refused)
 
 
 def plan_for(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Comm,
@@ -355,7 +328,7 @@ _TN = _product(products.matmul_tn, products.matmul_tn_backward, "matmul_tn")
 def _run(fn: type, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
          block_size: int | None) -> torch.Tensor:
     c = get_comm(comm)
-    _agree(c, fn.call, {"a": a, "b": b})
+    agree(c, fn.call, {"a": a, "b": b})
     return fn.apply(a, b, _Call(c, {"layout": layout, "block_size": block_size}))
 
 

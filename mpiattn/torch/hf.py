@@ -73,6 +73,7 @@ from ..layouts import all_segments, local_lengths, positions
 from ..masks.score import NAMES, Score
 from . import hf_checks, hf_layers, hf_llama4
 from .functions import attention
+from .ops import CHECKS, compiled_attention
 from .hf_layers import REFUSED_LAYERS
 
 __all__ = ["register", "NAME", "REFUSED_LAYERS", "UNCHECKED_POSITIONS", "KeyPadding",
@@ -167,11 +168,16 @@ def _agreed(comm: Any) -> Any:
     return get_comm(comm)
 
 
-def _check_positions(config: Any, position_ids: Any, want: torch.Tensor) -> None:
+def _facts(config: Any) -> tuple:
+    """What the checks read of a model's config: ``(refusal, model_type, NoPE tuning)`` (plain
+    values: a compiled call's operator holds them, :mod:`mpiattn.torch.ops`)."""
+    return (hf_layers.refusal(config), getattr(config, "model_type", None), hf_llama4.tuning(config))
+
+
+def _check_positions(model: str | None, position_ids: Any, want: torch.Tensor) -> None:
     """Raise unless the layer was handed this rank's global positions ``want`` (or none, by a
-    model of :data:`UNCHECKED_POSITIONS`)."""
+    model (``model_type``) of :data:`UNCHECKED_POSITIONS`)."""
     if position_ids is None:
-        model = getattr(config, "model_type", None)
         if model in UNCHECKED_POSITIONS:
             return
         raise ValueError(f"mpiattn.torch.hf: the model ({model}) does not hand position_ids on to "
@@ -184,20 +190,23 @@ def _check_positions(config: Any, position_ids: Any, want: torch.Tensor) -> None
                          "without them the model applies its positions locally")
 
 
-def _check_rows(c: Any, module: Any, query: torch.Tensor, key: torch.Tensor, position_ids: Any,
-                layout: Any, dropout: float, mask: Any) -> None:
-    """The checks of a forward (its first attention layer), decided on every rank alike."""
+def _check_rows(c: Any, facts: tuple, layout: Any, dropout: float, mask_shape: tuple | None,
+                query: torch.Tensor, key: torch.Tensor, position_ids: Any) -> None:
+    """The checks of a forward (its first attention layer), decided on every rank alike
+    (``facts``: :func:`_facts` of the config; ``mask_shape``: the shape of an attention mask
+    other than the 2-D one it takes, else None)."""
     n = int(query.shape[2])
-    config = getattr(module, "config", None)
+    refusal, model, tuned = facts
 
     def local() -> int:
-        hf_layers.check(config)
+        if refusal is not None:
+            raise ValueError(refusal)
         if dropout:
             raise ValueError(f"mpiattn.torch.hf: attention dropout {dropout} is not supported "
                              "(set the config's attention_dropout to 0, or call model.eval())")
-        if mask is not None and not isinstance(mask, KeyPadding):
+        if mask_shape is not None:
             raise ValueError("mpiattn.torch.hf takes a 2-D attention_mask (B, n_r) of this rank's "
-                             f"tokens, not a {tuple(getattr(mask, 'shape', ()))} one")
+                             f"tokens, not a {mask_shape} one")
         if int(key.shape[2]) != n:
             raise ValueError(f"mpiattn.torch.hf: {key.shape[2]} keys beside {n} queries on this "
                              "rank: a transformers cache (generation) is not sharded; pass "
@@ -212,10 +221,13 @@ def _check_rows(c: Any, module: Any, query: torch.Tensor, key: torch.Tensor, pos
             raise ValueError(f"mpiattn.torch.hf: the ranks hold {sizes} rows, not the {layout!r} "
                              f"layout's shares of {N}: shard with mpiattn.torch.shard(..., layout=)")
         want = _global_rows(c, N, layout)
-        _check_positions(config, position_ids, want)
-        hf_llama4.check(config, want)
+        _check_positions(model, position_ids, want)
+        hf_llama4.check_tuned(tuned, want)
 
     c.allgather_checked(rows, call="mpiattn.torch.hf")
+
+
+CHECKS["hf"] = _check_rows  # (compiled calls run them inside the operator: mpiattn.torch.ops)
 
 
 def _global_rows(c: Any, N: int, layout: Any) -> torch.Tensor:
@@ -291,20 +303,33 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     """transformers' attention function: ``(out (B, n_r, H, E), None)`` for this rank's rows."""
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)
     causal = bool(getattr(module, "is_causal", True))
-    score = Score.of(softcap=softcap, sinks=s_aux)  # transformers' keywords, as one score
     layer = getattr(module, "layer_idx", None)
+    config = getattr(module, "config", None)
+    up_to = hf_layers.checked_up_to(config)
+    first = layer is None or up_to is None or layer <= up_to  # (its first attention layer)
+    mask_shape = None if attention_mask is None or isinstance(attention_mask, KeyPadding) else \
+        tuple(getattr(attention_mask, "shape", ()))
+    pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
+    if torch.compiler.is_compiling():  # the checks inside the operator, with the positions
+        check = ("hf", (_facts(config), layout, dropout, mask_shape)) if first else None
+        out = compiled_attention(query.contiguous(), key.contiguous(), value.contiguous(), comm,
+                                 {"sinks": s_aux, "key_padding_mask": pad},
+                                 dict(options, causal=causal, window=window, scale=scaling,
+                                      softcap=softcap, layout=layout), False,
+                                 ("a Llama 4 NoPE layer",) if hf_llama4.rescales(module) else (),
+                                 check, position_ids)
+        return out.transpose(1, 2).contiguous(), None
+    score = Score.of(softcap=softcap, sinks=s_aux)  # transformers' keywords, as one score
     if mpiattn_cache is not None and mpiattn_cache.decoding:
         query = hf_llama4.retuned(module, query, mpiattn_cache.positions)
         out = mpiattn_cache.step(layer, query, key, value, score, causal=causal, window=window,
                                  scale=scaling)
         return out.transpose(1, 2).contiguous(), None
-    up_to = hf_layers.checked_up_to(getattr(module, "config", None))
-    if layer is None or up_to is None or layer <= up_to:  # (its first attention layer)
-        _check_rows(_agreed(comm), module, query, key, position_ids, layout, dropout,
-                    attention_mask)
+    if first:
+        _check_rows(_agreed(comm), _facts(config), layout, dropout, mask_shape, query, key,
+                    position_ids)
     query = hf_llama4.retuned(module, query, partial(_rows, query, position_ids, mpiattn_cache,
                                                      comm, layout))
-    pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
     out = attention(query.contiguous(), key.contiguous(), value.contiguous(), comm=comm,
                     causal=causal, window=window, scale=scaling, score=score,
                     key_padding_mask=pad, layout=layout, **options)

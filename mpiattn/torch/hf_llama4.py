@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tuning", "scales", "check", "retuned"]
+__all__ = ["tuning", "scales", "check", "check_tuned", "rescales", "retuned"]
 
 
 def tuning(config: Any) -> tuple | None:
@@ -52,7 +52,11 @@ def scales(rows: torch.Tensor, floor_scale: Any, attn_scale: Any) -> torch.Tenso
 def check(config: Any, want: torch.Tensor) -> None:
     """Raise where a NoPE layer's local scale of a row (global positions ``want``) is neither 1
     nor its global one's (which :func:`retuned` could not make exact)."""
-    tuned = tuning(config)
+    check_tuned(tuning(config), want)
+
+
+def check_tuned(tuned: tuple | None, want: torch.Tensor) -> None:
+    """:func:`check` from the config's :func:`tuning` (None: no NoPE scales)."""
     if tuned is None:
         return
     here = scales(torch.arange(len(want)), *tuned)
@@ -66,10 +70,15 @@ def check(config: Any, want: torch.Tensor) -> None:
                          f"{tuned[0] - 1} rows per rank (more ranks)")
 
 
+def rescales(module: Any) -> bool:
+    """Whether ``module`` is a Llama 4 NoPE layer whose queries :func:`retuned` scales."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+
+
 def retuned(module: Any, query: torch.Tensor, rows: Any) -> torch.Tensor:
     """``query`` (B, H, n, E) of a Llama 4 NoPE layer scaled for its rows' global positions
     ``rows`` (or a function giving them) where the model's local scale was 1; else ``query``."""
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+    if not rescales(module):
         return query
     rows = rows() if callable(rows) else rows
     n = int(query.shape[2])

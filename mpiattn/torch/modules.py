@@ -48,6 +48,7 @@ parameter of the model needs the same step).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -206,9 +207,14 @@ class MultiheadAttention(nn.Module):
             Shaped like ``query``.
         weights : None
         """
-        c = get_comm(self.comm if comm is None else comm)
-        with c.collective_errors():  # local checks, the same error on every rank
+        compiling = torch.compiler.is_compiling()  # (no Comm while traced: the operator gets it)
+        c = (self.comm if comm is None else comm) if compiling else get_comm(
+            self.comm if comm is None else comm)
+        if compiling:  # (arguments of the traced call: the same on every rank)
             self._check_call(query, key, value, need_weights, attn_mask)
+        else:
+            with c.collective_errors():  # local checks, the same error on every rank
+                self._check_call(query, key, value, need_weights, attn_mask)
         if key is None:
             key = value = query
         if not self.batch_first:
@@ -217,16 +223,13 @@ class MultiheadAttention(nn.Module):
         Q = self._heads(F.linear(query, self.q_proj_weight, bq), self.num_heads)
         K = self._heads(F.linear(key, self.k_proj_weight, bk), self.num_kv_heads)
         V = self._heads(F.linear(value, self.v_proj_weight, bv), self.num_kv_heads)
-        opts = Options.of(self.options, **options)
-        if is_causal:
-            opts = Options.of(opts, causal=True)
+        opts = _options(self.options, options, is_causal, compiling)
         planned = None
-        if segment_ids is None and kv_segment_ids is None:  # (a plan keeps its documents)
-            planned = self._plan = plan_for(self._plan, Q, K, V, c, key_padding_mask, options=opts)
+        if segment_ids is None and kv_segment_ids is None and not compiling:  # (a plan keeps its documents)
+            planned = self._plan = plan_for(self._plan, Q, K, V, c, key_padding_mask, **opts)
         O = attention(Q, K, V, comm=c,
                       key_padding_mask=key_padding_mask, segment_ids=segment_ids,
-                      kv_segment_ids=kv_segment_ids, sinks=self.sinks, options=opts,
-                      planned=planned)
+                      kv_segment_ids=kv_segment_ids, sinks=self.sinks, planned=planned, **opts)
         B, n = query.shape[:2]
         y = self.out_proj(O.transpose(1, 2).reshape(B, n, self.embed_dim))
         return (y if self.batch_first else y.transpose(0, 1)), None
@@ -285,3 +288,18 @@ class MultiheadAttention(nn.Module):
             self.in_proj_bias.copy_(other.in_proj_bias)
             self.out_proj.bias.copy_(other.out_proj.bias)
         return self
+
+
+#: The fields of :class:`Options`.
+OPTION_FIELDS = tuple(f.name for f in fields(Options))
+
+
+def _options(mine: Options, given: dict, is_causal: bool, compiling: bool) -> dict:
+    """A call's options: the module's, ``given`` replacing them, causal when ``is_causal``; as
+    :class:`Options` (``options=``), or while compiled its fields as plain keywords (the
+    operator's handle holds them; :mod:`mpiattn.torch.ops`)."""
+    if compiling:  # (its fields, read one by one: the traced graph holds no Options object)
+        return {**{f: getattr(mine, f) for f in OPTION_FIELDS}, **given,
+                **({"causal": True} if is_causal else {})}
+    opts = Options.of(mine, **given)
+    return {"options": Options.of(opts, causal=True) if is_causal else opts}
