@@ -292,15 +292,17 @@ def test_bad_input_same_error_everywhere(comm, xp, case):
             k[(0,) * k.ndim] = np.inf
         match = "NaN or Inf"
     elif case == "ulysses":
-        q = xp.concatenate([q[:, :1]] * (comm.size + 1), axis=1)  # H = P + 1, Hkv = 1
         kw["strategy"] = "ulysses"
-        if comm.size == 1:  # every head count divides among one rank: no error, the exact result
-            out, lse = mpiattn.attention(q, k, v, **kw)
-            ref = reference(host(q), host(k), host(v))
-            np.testing.assert_allclose(host(out), ref[0], rtol=1e-12, atol=1e-12)
-            np.testing.assert_allclose(host(lse), ref[1], rtol=1e-12, atol=1e-12)
+        # H = P + 1 query heads over P ranks, Hkv = 1: an uneven split, the exact result
+        wide = xp.concatenate([q[:, :1]] * (comm.size + 1), axis=1)
+        out, lse = mpiattn.attention(wide, k, v, **kw)
+        ref = mpiattn.attention(wide, k, v, strategy="ring")  # (this rank's rows, exact)
+        np.testing.assert_allclose(host(out), host(ref[0]), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(host(lse), host(ref[1]), rtol=1e-12, atol=1e-12)
+        if comm.size == 1:  # one head a rank always
             return
-        match = "divisible"
+        q = xp.concatenate([q[:, :1]] * (comm.size - 1), axis=1)  # H = P - 1: a rank without a head
+        match = "at least one query head per rank"
     elif case == "block":
         kw["block_size"] = 0
         match = "block_size"
