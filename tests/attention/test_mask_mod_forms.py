@@ -58,12 +58,12 @@ def _data(N, seed=0, B=2, H=4, Hkv=2, E=8):
 
 
 def _skip(strategy, P, H=4, Hkv=2):
-    if strategy == "ulysses" and H < P:
-        return "ulysses needs a query head per rank"
+    if strategy == "ulysses" and (H % P or Hkv % P):
+        return "uneven head splits: the contract's heads cases and the search cover them"
     if strategy.startswith("hybrid:"):
         u = int(strategy.split(":")[1].split("x")[0])
-        if H < u:
-            return "a query head per member of the hybrid's groups"
+        if H % u or (Hkv % u and u % Hkv):
+            return "uneven head splits: the contract's heads cases and the search cover them"
     return None
 
 

@@ -127,8 +127,8 @@ def _skip_reason(strategy, P, H, Hkv):
             return f"{strategy} needs {u * r} ranks"
         if H % u or (Hkv % u and u % Hkv):
             return "the heads do not divide into the groups"
-    if strategy == "ulysses" and H < P:
-        return "ulysses needs a query head per rank"
+    if strategy == "ulysses" and (H % P or Hkv % P):
+        return "uneven head splits: the contract's heads cases and the search cover them"
     return None
 
 

@@ -76,12 +76,12 @@ def _check(data, table, offset, vis, tol=1e-9, **kw):
 
 
 def _skip(strategy, P, hkv):
-    if strategy == "ulysses" and H < P:
-        return "ulysses needs a query head per rank"
+    if strategy == "ulysses" and (H % P or hkv % P):
+        return "uneven head splits: the contract's heads cases and the search cover them"
     if strategy.startswith("hybrid:"):
         u = int(strategy.split(":")[1].split("x")[0])
-        if H < u:
-            return "a query head per member of the hybrid's groups"
+        if H % u or (hkv % u and u % hkv):
+            return "uneven head splits: the contract's heads cases and the search cover them"
     return None
 
 

@@ -48,12 +48,12 @@ def _data(N, M, seed=0, dtype="float64"):
 
 
 def _skip(strategy, P):
-    if strategy == "ulysses" and H < P:
-        return "ulysses needs a query head per rank"
+    if strategy == "ulysses" and (H % P or HKV % P):
+        return "uneven head splits: the contract's heads cases and the search cover them"
     if strategy.startswith("hybrid:"):
         u = int(strategy.split(":")[1].split("x")[0])
-        if H < u:
-            return "a query head per member of the hybrid's groups"
+        if H % u or (HKV % u and u % HKV):
+            return "uneven head splits: the contract's heads cases and the search cover them"
     return None
 
 

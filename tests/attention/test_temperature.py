@@ -25,11 +25,11 @@ def _data(N, M, seed=0):
 
 
 def _divides(strategy, P):
-    if strategy == "ulysses":
-        return H >= P
+    if strategy == "ulysses":  # (uneven head splits: the contract's heads cases cover them)
+        return H % P == 0 and HKV % P == 0
     if strategy.startswith("hybrid:"):
         u = int(strategy.split(":")[1].split("x")[0])
-        return H >= u
+        return H % u == 0 and (HKV % u == 0 or u % HKV == 0)
     return True
 
 

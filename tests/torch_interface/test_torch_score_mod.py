@@ -30,8 +30,8 @@ def _reference(Q, K, V, dO, fn):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_captured_tensors_get_their_gradients(comm, strategy):
-    if strategy == "ulysses" and H < comm.size:
-        pytest.skip("ulysses needs a query head per rank")
+    if strategy == "ulysses" and (H % comm.size or HKV % comm.size):
+        pytest.skip("uneven head splits: the contract's heads cases and the search cover them")
     g = torch.Generator().manual_seed(3)
     Q, K, V = (torch.randn(B, h, N, E, dtype=torch.float64, generator=g) for h in (H, HKV, HKV))
     dO = torch.randn(B, H, N, E, dtype=torch.float64, generator=g)
