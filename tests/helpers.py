@@ -345,6 +345,24 @@ def registered_strategies():
     return list(registry.STRATEGIES)
 
 
+#: Why a test leaves a head-sharded strategy out where the heads do not divide.
+UNEVEN_HEADS = "uneven head splits: the contract's heads cases and the search cover them"
+
+
+def uneven_heads(strategy, P, H, Hkv):
+    """:data:`UNEVEN_HEADS` when ``strategy`` (a name; ``hybrid:UxR`` splits heads over ``U``,
+    ulysses over ``P``) would split ``H`` query or ``Hkv`` key/value heads unevenly (key/value heads
+    fewer than ``U`` that divide it are replicated evenly), else None: the modifier suites run
+    the even splits, the contract's heads cases and the property search the uneven ones."""
+    u = P if strategy == "ulysses" else int(strategy.split(":")[1].split("x")[0]) \
+        if strategy.startswith("hybrid:") else None
+    if u is None:
+        return None
+    if H % u or (Hkv % u and (strategy == "ulysses" or u % Hkv)):
+        return UNEVEN_HEADS
+    return None
+
+
 def strategy_refusal(strategy, comm, H, Hkv, N=16, M=None):
     """Why the registered ``strategy`` refuses a call of ``H`` query and ``Hkv`` key/value heads
     on ``comm`` (its own ``supports``: e.g. ulysses needs a query head per rank), or None."""

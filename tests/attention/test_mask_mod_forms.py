@@ -20,7 +20,7 @@ from mpi4py import MPI
 import mpiattn
 from mpiattn.strategies import registry
 
-from helpers import dense_attention, host
+from helpers import dense_attention, host, uneven_heads
 
 #: name -> mask_mod(b, h, q_idx, kv_idx): each ignores some indices (noop: all of them).
 FORMS = {
@@ -58,13 +58,7 @@ def _data(N, seed=0, B=2, H=4, Hkv=2, E=8):
 
 
 def _skip(strategy, P, H=4, Hkv=2):
-    if strategy == "ulysses" and (H % P or Hkv % P):
-        return "uneven head splits: the contract's heads cases and the search cover them"
-    if strategy.startswith("hybrid:"):
-        u = int(strategy.split(":")[1].split("x")[0])
-        if H % u or (Hkv % u and u % Hkv):
-            return "uneven head splits: the contract's heads cases and the search cover them"
-    return None
+    return uneven_heads(strategy, P, H, Hkv)
 
 
 def _run(comm, fn, data, **kw):

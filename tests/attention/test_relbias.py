@@ -19,7 +19,7 @@ from mpiattn.masks.relbias import runs
 from mpiattn.masks.scoremod import TileIndex, shift_score_mod
 from mpiattn.strategies import registry
 
-from helpers import host, torch_reference, visible_matrix
+from helpers import host, torch_reference, uneven_heads, visible_matrix
 
 torch = pytest.importorskip("torch")
 
@@ -76,13 +76,7 @@ def _check(data, table, offset, vis, tol=1e-9, **kw):
 
 
 def _skip(strategy, P, hkv):
-    if strategy == "ulysses" and (H % P or hkv % P):
-        return "uneven head splits: the contract's heads cases and the search cover them"
-    if strategy.startswith("hybrid:"):
-        u = int(strategy.split(":")[1].split("x")[0])
-        if H % u or (hkv % u and u % hkv):
-            return "uneven head splits: the contract's heads cases and the search cover them"
-    return None
+    return uneven_heads(strategy, P, H, hkv)
 
 
 @pytest.mark.parametrize("hkv", [2, 4], ids=["gqa", "mha"])

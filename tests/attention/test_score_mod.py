@@ -14,7 +14,7 @@ import mpiattn
 from mpiattn import ScoreMod
 from mpiattn.strategies import registry
 
-from helpers import host, torch_reference, visible_matrix
+from helpers import host, torch_reference, uneven_heads, visible_matrix
 
 torch = pytest.importorskip("torch")
 
@@ -48,13 +48,7 @@ def _data(N, M, seed=0, dtype="float64"):
 
 
 def _skip(strategy, P):
-    if strategy == "ulysses" and (H % P or HKV % P):
-        return "uneven head splits: the contract's heads cases and the search cover them"
-    if strategy.startswith("hybrid:"):
-        u = int(strategy.split(":")[1].split("x")[0])
-        if H % u or (HKV % u and u % HKV):
-            return "uneven head splits: the contract's heads cases and the search cover them"
-    return None
+    return uneven_heads(strategy, P, H, HKV)
 
 
 def _run(comm, data, mod, **kw):

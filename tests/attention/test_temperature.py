@@ -9,7 +9,7 @@ from mpi4py import MPI
 import mpiattn
 from mpiattn.strategies import registry
 
-from helpers import host, torch_reference, visible_matrix
+from helpers import host, torch_reference, uneven_heads, visible_matrix
 
 torch = pytest.importorskip("torch")
 
@@ -25,12 +25,7 @@ def _data(N, M, seed=0):
 
 
 def _divides(strategy, P):
-    if strategy == "ulysses":  # (uneven head splits: the contract's heads cases cover them)
-        return H % P == 0 and HKV % P == 0
-    if strategy.startswith("hybrid:"):
-        u = int(strategy.split(":")[1].split("x")[0])
-        return H % u == 0 and (HKV % u == 0 or u % HKV == 0)
-    return True
+    return uneven_heads(strategy, P, H, HKV) is None
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
