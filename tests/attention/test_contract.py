@@ -265,6 +265,8 @@ def _skip_reason(topology, strategy, engine, case, device):
     u = topology.P if s.name == "ulysses" else getattr(s, "u", None)  # its head group's ranks
     if case.heads and not (u and u > 1):
         return "a heads case: the head-sharded strategies (ulysses, hybrid:UxR with U > 1) only"
+    if case.heads and engine != engines.AUTO[0]:
+        return "a heads case: the split is the strategy's, whatever the engine (the native one runs it)"
     if not case.heads and u and u > 1 and (case.H % u or (case.Hkv % u and u % case.Hkv)):
         return "heads the group does not divide: the heads-* cases test those"
     if not s.uses_engine and engine != engines.AUTO[0]:
