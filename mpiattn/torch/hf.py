@@ -73,7 +73,7 @@ from ..layouts import all_segments, local_lengths, positions
 from ..masks.score import NAMES, Score
 from . import hf_checks, hf_layers, hf_llama4
 from .functions import attention
-from .ops import CHECKS, compiled_attention
+from .ops import compiled_attention
 from .hf_layers import REFUSED_LAYERS
 
 __all__ = ["register", "NAME", "REFUSED_LAYERS", "UNCHECKED_POSITIONS", "KeyPadding",
@@ -227,9 +227,6 @@ def _check_rows(c: Any, facts: tuple, layout: Any, dropout: float, mask_shape: t
     c.allgather_checked(rows, call="mpiattn.torch.hf")
 
 
-CHECKS["hf"] = _check_rows  # (compiled calls run them inside the operator: mpiattn.torch.ops)
-
-
 def _global_rows(c: Any, N: int, layout: Any) -> torch.Tensor:
     """This rank's global positions of a sequence of ``N`` rows."""
     return torch.as_tensor(positions(all_segments(N, c.size, layout)[c.rank]))
@@ -311,7 +308,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         tuple(getattr(attention_mask, "shape", ()))
     pad = attention_mask.pad if isinstance(attention_mask, KeyPadding) else None
     if torch.compiler.is_compiling():  # the checks inside the operator, with the positions
-        check = ("hf", (_facts(config), layout, dropout, mask_shape)) if first else None
+        check = (_check_rows, (_facts(config), layout, dropout, mask_shape)) if first else None
         out = compiled_attention(query.contiguous(), key.contiguous(), value.contiguous(), comm,
                                  {"sinks": s_aux, "key_padding_mask": pad},
                                  dict(options, causal=causal, window=window, scale=scaling,

@@ -114,15 +114,10 @@ class _Settings:
     comm: Any
     keywords: dict  # the Options fields and the modifiers that are no tensors (softcap, mask_mod)
     lse_grad: bool  # lse is returned, so its gradient joins the backward
-    check: tuple | None = None  # (name in CHECKS, its arguments): a caller's checks of the forward
+    check: tuple | None = None  # (function, its arguments): a caller's checks of the forward
 
 
 _SETTINGS: dict[int, _Settings] = {}
-
-#: Checks a forward runs first, by name: ``CHECKS[name](c, *arguments, query=, key=,
-#: position_ids=)``, collective (registered by their callers' modules: the transformers
-#: adapter's first-layer checks, ``"hf"``).
-CHECKS: dict[str, Any] = {}
 
 
 @torch.compiler.assume_constant_result
@@ -130,8 +125,8 @@ def handle(comm: Any, keywords: dict, return_lse: bool, refused: tuple,
            check: tuple | None = None) -> int:
     """A new handle for a compiled call's settings (run while the graph is traced: a constant of
     the graph). ``refused``: the names of :data:`REFUSED` the call was given (a TypeError);
-    ``check``: ``(name, arguments)`` of :data:`CHECKS` the forward runs first (the transformers
-    adapter's, on its first layer)."""
+    ``check``: ``(function, arguments)`` the forward runs first, ``function(c, *arguments,
+    query=, key=, position_ids=)``, collective (the transformers adapter's, on its first layer)."""
     if refused:
         raise TypeError(f"mpiattn.torch under torch.compile takes no {refused[0]} "
                         f"({REFUSED[refused[0]]}); call it outside the compiled region "
@@ -164,8 +159,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Ten
              handle: int) -> tuple[torch.Tensor, torch.Tensor]:
     st = _SETTINGS[handle]
     if st.check is not None:
-        name, args = st.check
-        CHECKS[name](get_comm(st.comm), *args, query=q, key=k, position_ids=position_ids)
+        fn, args = st.check
+        fn(get_comm(st.comm), *args, query=q, key=k, position_ids=position_ids)
     extra = dict(zip(EXTRA, (sinks, key_padding_mask, segment_ids, kv_segment_ids, attn_mask,
                              alibi_slopes)))
     c, keywords, host = _call(st, q, k, v, extra)
@@ -238,7 +233,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: 
                        check: tuple | None = None, position_ids: torch.Tensor | None = None) -> Any:
     """:func:`mpiattn.torch.attention` while compiling (the module docstring): ``tensors`` the
     :data:`EXTRA` given, ``keywords`` the rest (Options fields, ``softcap``, ``mask_mod``);
-    ``check``: ``(name, arguments)`` of a :data:`CHECKS` entry the forward runs first."""
+    ``check``: ``(function, arguments)`` the forward runs first (:func:`handle`)."""
     h = handle(comm, keywords, return_lse, refused, check)
     out, lse = torch.ops.mpiattn.attention(q, k, v, *(tensors.get(n) for n in EXTRA), position_ids, h)
     return (out, lse) if return_lse else out
