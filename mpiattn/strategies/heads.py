@@ -18,7 +18,6 @@ their gradients back (:meth:`Share.fold`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -84,10 +83,9 @@ class Share:
         return out
 
 
-@functools.lru_cache(maxsize=64)
 def shares(H: int, Hkv: int, u: int) -> tuple[Share, ...]:
     """The heads of each of ``u`` members (module docstring); ValueError when ``H < u`` (a member
-    would hold no head). ``O(u)``, whatever ``H`` (kept for the cost model's repeated calls)."""
+    would hold no head). ``O(u)``, whatever ``H``."""
     if H < u:
         raise ValueError(f"{H} query heads cannot be split over {u} ranks (each needs one)")
     G = H // Hkv

@@ -143,19 +143,19 @@ class Hybrid(Strategy):
         return order.reshape(self.u, self.r).T
 
     @staticmethod
-    def _busiest(spec: Any, u: int) -> tuple[int, int, int]:
-        """The most query heads a member holds, the most key/value heads it receives, and the
-        most its engine sees (one per query head where they are not grouped)."""
-        sh = shares(spec.H, spec.Hkv, u)
-        return (max(len(x.q) for x in sh), max(len(x.kv) for x in sh), max(x.kv_width for x in sh))
+    def _busiest(sh: Any) -> tuple[int, int]:
+        """The most query heads a member of the :func:`~mpiattn.strategies.heads.shares` ``sh``
+        holds, and the most key/value heads its engine sees (one per query head where they are
+        not grouped)."""
+        return max(len(x.q) for x in sh), max(x.kv_width for x in sh)
 
     # ------------------------------------------------------------- the model
     @staticmethod
-    def _a2a_bytes(spec: Any, u: int, n: float, m: float, backward: bool) -> float:
-        """Bytes the busiest member of a head group sends in its all-to-alls (``n``, ``m`` query and
-        key rows a member): the other members' heads of its rows in, its heads of their rows back."""
-        s, a, B, E, Ev = spec.itemsize, spec.acc_dtype.itemsize, spec.B, spec.E, spec.Ev
-        sh = shares(spec.H, spec.Hkv, u)
+    def _a2a_bytes(spec: Any, sh: Any, n: float, m: float, backward: bool) -> float:
+        """Bytes the busiest member of a head group (its heads: ``sh``) sends in its all-to-alls
+        (``n``, ``m`` query and key rows a member): the other members' heads of its rows in, its
+        heads of their rows back."""
+        s, a, B, E, Ev, u = spec.itemsize, spec.acc_dtype.itemsize, spec.B, spec.E, spec.Ev, len(sh)
         K = sum(len(x.kv) for x in sh)  # key/value heads received, a replicated one each time
         row_in = E * s + ((1 + sends_out(spec)) * Ev * s + 2 * a if backward else 0)  # q (dout, out, lse, D)
         row_back = E * a if backward else Ev * s + a  # dq; or out and lse
@@ -166,10 +166,11 @@ class Hybrid(Strategy):
     def traffic(self, spec: Any, topology: Any, block: int, backward: bool) -> list[Phase]:
         P, u, r = topology.P, self.u, self.r
         n, m, s, a = spec.N / P, spec.M / P, spec.itemsize, spec.acc_dtype.itemsize
-        seen = self._busiest(spec, u)[2]
+        sh = shares(spec.H, spec.Hkv, u)
+        seen = self._busiest(sh)[1]
         groups = self._groups(topology)
         mask = row_data_bytes(spec, n) / u if u > 1 else 0.0
-        per_dest = self._a2a_bytes(spec, u, n, m, backward) / max(u - 1, 1) + mask
+        per_dest = self._a2a_bytes(spec, sh, n, m, backward) / max(u - 1, 1) + mask
         calls = ((8 + sends_out(spec)) if backward else 5) + (mask > 0)
         a2a = spread_phase(topology, groups, per_dest, calls * (u - 1)) if u > 1 else None
         step = u * m * spec.B * seen * (spec.E + spec.Ev) * s  # what the ring circulates
@@ -185,13 +186,13 @@ class Hybrid(Strategy):
         if total <= 0:
             return 1.0 / topology.P
         per_rank = row_pairs.per_rank(topology.P, spec.layout)
-        hq = self._busiest(spec, self.u)[0]  # (H / u where u divides H)
+        hq = self._busiest(shares(spec.H, spec.Hkv, self.u))[0]  # (H / u where u divides H)
         return float(per_rank[self._groups(topology)].sum(axis=1).max()) / total * hq / spec.H
 
     def memory(self, spec: Any, P: int, block: int, backward: bool) -> int:
         if self.u is None or self.u == 1:  # a ring over copies of q, out, k, v made by the split
             return blocked_memory(spec, P, block, backward, moved=relaid_bytes(spec, P, out=True))
-        hq, _, seen = self._busiest(spec, self.u)  # (the busiest member's, as if every member's)
+        hq, seen = self._busiest(shares(spec.H, spec.Hkv, self.u))  # (the busiest's, as every member's)
         return heads_memory(replace(spec, H=hq * self.u, Hkv=seen * self.u), P, block, backward,
                             self.u, circulation="ring" if self.r > 1 else "none")
 
