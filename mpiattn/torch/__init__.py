@@ -6,7 +6,7 @@ own memory (:mod:`mpiattn.torch.tensors`); every function is collective over
 its communicator, forward and backward.
 
 Modules, bottom to top: ``tensors`` (tensors as NumPy/CuPy arrays, the local
-checks), ``ops`` (attention as custom operators, for ``torch.compile(fullgraph=True)``),
+checks), ``ops`` (attention and the products as custom operators, for ``torch.compile(fullgraph=True)``),
 ``functions`` (:func:`attention`, :func:`matmul_nt`,
 :func:`matmul_nn`, :func:`matmul_tn`), ``collectives`` (:func:`shard`,
 :func:`gather`, :func:`reduce_gradients`), ``modules``

@@ -31,7 +31,8 @@ from ..masks.score import NAMES, Score
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies.plan import reuse_or_plan
-from .ops import EXTRA, agree, compiled_attention, sink_gradient, with_lse_gradient
+from .ops import (EXTRA, MATMUL_NN, MATMUL_NT, MATMUL_TN, agree, compiled_attention, compiled_product,
+                  sink_gradient, with_lse_gradient)
 from .scoremod import TorchScoreMod, captured
 from .tensors import on_device, to_array, to_tensor
 
@@ -325,8 +326,11 @@ _NN = _product(products.matmul_nn, products.matmul_nn_backward, "matmul_nn")
 _TN = _product(products.matmul_tn, products.matmul_tn_backward, "matmul_tn")
 
 
-def _run(fn: type, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
+def _run(fn: type, op: Any, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
          block_size: int | None) -> torch.Tensor:
+    """The product ``fn`` (its operator ``op`` while compiling, :mod:`mpiattn.torch.ops`)."""
+    if torch.compiler.is_compiling():
+        return compiled_product(op, a, b, comm, {"layout": layout, "block_size": block_size})
     c = get_comm(comm)
     agree(c, fn.call, {"a": a, "b": b})
     return fn.apply(a, b, _Call(c, {"layout": layout, "block_size": block_size}))
@@ -359,7 +363,7 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any
             [2., 2., 2.],
             [2., 2., 2.]], dtype=torch.float64)
     """
-    return _run(_NT, a, b, comm, layout, block_size)
+    return _run(_NT, MATMUL_NT, a, b, comm, layout, block_size)
 
 
 def matmul_nn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",
@@ -380,7 +384,7 @@ def matmul_nn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any
     torch.Tensor, shape (..., n_r, d)
         Its backward: ``dA = nt(dC, B)``, ``dB = tn(A, dC)``.
     """
-    return _run(_NN, a, b, comm, layout, block_size)
+    return _run(_NN, MATMUL_NN, a, b, comm, layout, block_size)
 
 
 def matmul_tn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",
@@ -402,4 +406,4 @@ def matmul_tn(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any
         This rank's rows of the ``N x d`` result. Its backward:
         ``dA = nt(B, dC)``, ``dB = nn(A, dC)``.
     """
-    return _run(_TN, a, b, comm, layout, block_size)
+    return _run(_TN, MATMUL_TN, a, b, comm, layout, block_size)

@@ -1,4 +1,4 @@
-"""Attention as torch custom operators, so that ``torch.compile(fullgraph=True)`` holds it.
+"""Attention and the products as torch custom operators, for ``torch.compile(fullgraph=True)``.
 
 Dynamo cannot trace the library's Python (MPI, NumPy, the ranks' agreement), so under
 ``torch.compile`` :func:`mpiattn.torch.attention` calls two operators registered with
@@ -18,6 +18,16 @@ nodes with known outputs. What is not a tensor (the communicator, the options, a
 integer :func:`handle` hands out while the graph is traced (marked
 ``torch.compiler.assume_constant_result``: traced once, a constant of the graph).
 
+Each product has two more, ``mpiattn::matmul_nt(a, b, handle) -> c`` and ``mpiattn::matmul_nt_backward(dc, a, b, handle)
+-> (da, db)`` (and so on). A product's output has a length no single rank's tensors give:
+``matmul_nt``'s ``M`` columns (every rank's key rows) and ``matmul_tn``'s ``n_r`` rows (this
+rank's share of ``N`` by the layout); its fake implementation gives it as an *unbacked* size
+(known when the operator has run, as for ``torch.nonzero``). So the compiler never
+communicates (a rank that retraces alone waits on no other), and a graph holds no length that
+depends on the rank, the layout or the other ranks (inductor's cache of compiled graphs, which
+the ranks of a node share, takes two graphs of the same operations and input shapes for one;
+a length computed while tracing, e.g. ``matmul_tn``'s share, would differ between them).
+
 Not compiled, and refused while compiling with the reason: ``details=`` and ``progress=``
 (Python objects the operator would fill outside the graph), ``planned=`` (a plan is a
 collective made outside it), ``max_logit`` (reported in ``details``), and ``score_mod``
@@ -33,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .. import products
 from ..comm.core import Comm, get_comm
 from ..masks.score import Score
 from ..masks.sinks import local_sink_gradient
@@ -41,7 +52,7 @@ from ..strategies import attention_backward as np_attention_backward
 from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
 
 __all__ = ["agree", "sink_gradient", "with_lse_gradient", "handle", "compiled_attention",
-           "REFUSED"]
+           "compiled_product", "REFUSED", "MATMUL_NT", "MATMUL_NN", "MATMUL_TN"]
 
 #: What a compiled call cannot take, and why.
 REFUSED = {"details": "it is filled outside the compiled graph",
@@ -237,3 +248,80 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: 
     h = handle(comm, keywords, return_lse, refused, check)
     out, lse = torch.ops.mpiattn.attention(q, k, v, *(tensors.get(n) for n in EXTRA), position_ids, h)
     return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------ the products
+def _unbacked() -> Any:
+    """A length the compiler learns when the operator has run."""
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+def _nt_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(lead, n_r, M)``, ``M`` unbacked."""
+    return torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], _unbacked())
+
+
+def _nn_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(lead, n_r, d)``: known from this rank's tensors."""
+    return torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+
+
+def _tn_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(lead, n_r, d)``, ``n_r`` unbacked."""
+    return torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (_unbacked(), b.shape[-1])
+
+
+def _product_ops(name: str, forward: Any, backward: Any, shape: Any) -> Any:
+    """Register ``mpiattn::NAME`` and ``mpiattn::NAME_backward`` (the module docstring); returns
+    the first (``shape(a, b)``: its output's shape for the fake)."""
+
+    def run(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
+        st = _SETTINGS[handle]
+        c = get_comm(st.comm)
+        agree(c, name, {"a": a, "b": b})
+        with on_device(a.device):
+            return to_tensor(forward(to_array(a), to_array(b), c, **st.keywords)).contiguous()
+
+    def fake(a, b, handle):
+        return a.new_empty(shape(a, b))
+
+    def run_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     handle: int) -> tuple[torch.Tensor, torch.Tensor]:
+        st = _SETTINGS[handle]
+        with on_device(a.device):
+            da, db = backward(to_array(dc.to(a.dtype).contiguous()), to_array(a), to_array(b),
+                              get_comm(st.comm), **st.keywords)
+            return to_tensor(da).contiguous(), to_tensor(db).contiguous()
+
+    def fake_backward(dc, a, b, handle):
+        return torch.empty_like(a), torch.empty_like(b)
+
+    op_backward = torch.library.custom_op(f"mpiattn::{name}_backward", run_backward, mutates_args=())
+    op_backward.register_fake(fake_backward)
+
+    def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        a, b, handle_ = inputs
+        ctx.save_for_backward(a, b)
+        ctx.handle = handle_
+
+    def gradient(ctx: Any, dc: torch.Tensor) -> tuple:
+        a, b = ctx.saved_tensors
+        return (*op_backward(dc, a, b, ctx.handle), None)
+
+    op = torch.library.custom_op(f"mpiattn::{name}", run, mutates_args=())
+    op.register_fake(fake)
+    op.register_autograd(gradient, setup_context=setup)
+    return op
+
+
+#: The products' operators (the module docstring).
+MATMUL_NT = _product_ops("matmul_nt", products.matmul_nt, products.matmul_nt_backward, _nt_shape)
+MATMUL_NN = _product_ops("matmul_nn", products.matmul_nn, products.matmul_nn_backward, _nn_shape)
+MATMUL_TN = _product_ops("matmul_tn", products.matmul_tn, products.matmul_tn_backward, _tn_shape)
+
+
+def compiled_product(op: Any, a: torch.Tensor, b: torch.Tensor, comm: Any,
+                     keywords: dict) -> torch.Tensor:
+    """A product while compiling: its operator ``op`` (:data:`MATMUL_NT`, ...), with ``comm`` and
+    ``keywords`` (``layout``, ``block_size``) in a handle."""
+    return op(a, b, handle(comm, keywords, False, ()))

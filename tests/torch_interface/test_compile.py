@@ -1,9 +1,9 @@
 """torch.compile(fullgraph=True) over mpiattn.torch: one graph, no graph break, the eager numbers.
 
-Under compilation ``mpiattn.torch.attention`` is two custom operators
-(:mod:`mpiattn.torch.ops`); these tests compile a small model of ``MultiheadAttention`` and
-``attention`` (sinks, softcap, ``lse`` in the loss, a padding mask), and a transformers model
-through the adapter, at every rank count, with the ``aot_eager`` backend (dynamo's graph and
+Under compilation ``mpiattn.torch.attention`` and the products are custom operators
+(:mod:`mpiattn.torch.ops`); these tests compile a small model of ``MultiheadAttention``,
+``attention`` (sinks, softcap, ``lse`` in the loss, a padding mask) and the three products,
+the products alone on a zigzag layout, and a transformers model through the adapter, at every rank count, with the ``aot_eager`` backend (dynamo's graph and
 AOTAutograd's backward, no code generation: the eager bits exactly), and count dynamo's graph
 breaks with its own counter. Inductor's code generation is checked once, at one rank.
 """
@@ -33,7 +33,9 @@ def _breaks():
 
 
 class _Model(torch.nn.Module):
-    """A MultiheadAttention layer, then attention with learnable sinks, a softcap and ``lse``."""
+    """A MultiheadAttention layer, then attention with learnable sinks, a softcap and ``lse``,
+    and the three products (``matmul_nt``'s columns and ``matmul_tn``'s rows are lengths the
+    compiler learns only when they have run)."""
 
     def __init__(self, E=16, H=4):
         super().__init__()
@@ -48,7 +50,9 @@ class _Model(torch.nn.Module):
         q = y.reshape(B, n, self.H, E // self.H).transpose(1, 2).contiguous()
         o, lse = mt.attention(q, q, q, causal=True, sinks=self.sinks, softcap=3.0, return_lse=True,
                               key_padding_mask=pad_r)
-        return o.pow(2).sum() + 0.1 * lse.sum()
+        p = torch.softmax(mt.matmul_nt(o, q) / 2, dim=-1)  # (B, H, n_r, N)
+        t = mt.matmul_tn(q, mt.matmul_nn(p, o))  # (B, H, this rank's share of E / H, E / H)
+        return o.pow(2).sum() + 0.1 * lse.sum() + t.pow(2).sum()
 
 
 def _run(model, fn, comm):
@@ -84,6 +88,52 @@ def test_inductor_compiles_it_too(serial_only, comm):
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert _breaks() == (0, 1)
+
+
+def test_compiled_products_on_a_zigzag_layout(comm):
+    """``A·Bᵀ``, ``A·B`` and ``Aᵀ·B`` on rows in zigzag order, compiled: the eager bits, one graph."""
+    g = torch.Generator().manual_seed(11)
+    N = 6 * comm.size + 1
+    a, b = (torch.randn(3, N, 5, generator=g, dtype=F64) for _ in range(2))
+    w = torch.randn(5, 5, generator=g, dtype=F64, requires_grad=True)
+    zz = dict(layout="zigzag", block_size=2)
+
+    def loss(a_r, b_r):
+        x = a_r @ w
+        s = mt.matmul_nt(x, b_r, **zz)
+        torch._check(s.shape[-1] == N)  # (the README's advice: then Python may branch on it)
+        c = mt.matmul_nn(s.tanh() if s.shape[-1] > 1 else s, b_r, **zz)
+        return mt.matmul_tn(x, c, **zz).pow(2).sum() + c.sum()
+
+    def run(fn):
+        w.grad = None
+        out = fn(*(mt.shard(t, dim=1, layout="zigzag") for t in (a, b)))
+        out.backward()
+        return out.detach(), w.grad.clone()
+
+    eager = run(loss)
+    got = run(_compiled(loss))
+    assert all(torch.equal(x, y) for x, y in zip(got, eager))
+    assert _breaks() == (0, 1)
+
+
+def test_the_operators_pass_torchs_opcheck(serial_only, comm):
+    """torch's own checks of a custom operator (schema, autograd registration, the fake
+    implementation against the real outputs, AOT dispatch with dynamic shapes)."""
+    from mpiattn.torch import ops
+
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(2, 5, 3, generator=g, dtype=F64, requires_grad=True) for _ in range(2))
+    p = torch.randn(2, 5, 5, generator=g, dtype=F64, requires_grad=True)
+    q = torch.randn(1, 2, 5, 4, generator=g, dtype=F64, requires_grad=True)
+    sinks = torch.randn(2, generator=g, dtype=F64, requires_grad=True)
+    h = ops.handle(comm.mpi, {"layout": "contiguous", "block_size": 2}, False, ())
+    cases = [(ops.MATMUL_NT, (a, b, h)), (ops.MATMUL_NN, (p, b, h)), (ops.MATMUL_TN, (a, b, h)),
+             (torch.ops.mpiattn.attention, (q, q, q, sinks) + (None,) * 6 + (
+                 ops.handle(comm.mpi, {"causal": True, "softcap": 2.0}, True, ()),))]
+    for op, args in cases:
+        got = torch.library.opcheck(op, args)
+        assert set(got.values()) == {"SUCCESS"}, (op, got)
 
 
 def test_what_a_compiled_call_cannot_take_is_named(comm):

@@ -14,7 +14,7 @@ mt = pytest.importorskip("mpiattn.torch")
 
 import mpiattn  # noqa: E402
 
-from helpers import torch_reference, visible_matrix  # noqa: E402
+from helpers import visible_matrix  # noqa: E402
 
 
 def _block_mod(b, h, i, j):
