@@ -1,7 +1,7 @@
 """mpiattn.torch with the score modifiers: learnable sinks, softcap, ALiBi, masks, max logit.
 
-Compared with the tests' float64 torch autograd reference of the whole sequence
-(``helpers.torch_reference``): every rank's rows of the output and of the gradients of
+Compared with float64 torch autograd of the whole sequence, the modifiers written out in
+the test: every rank's rows of the output and of the gradients of
 ``q``, ``k``, ``v``; the sinks' gradient is each rank's part, and ``reduce_gradients``
 sums the parts into the single-process gradient.
 """
