@@ -119,7 +119,7 @@ def test_a_signal_while_the_program_starts_is_one_line_and_128_plus_n(cache_dir,
         assert len(said) <= 1 and all(sig.name in ln for ln in said), (code, out, err)
         assert sorted(n for n in os.listdir(cache_dir) if ".mpiattn-" in n) == []
         if code:
-            assert not (cache_dir / "o.h5").exists()
+            assert not (cache_dir / "o.h5").exists(), (code, out, err)
         if attempt == 1 and _launcher_failed(code, err):
             continue
         # (0: it had finished: nothing to undo. Open MPI's prterun passes no signal on: it ends
