@@ -27,7 +27,8 @@ The matrix: dtypes (bfloat16 as ``ml_dtypes.bfloat16`` arrays: the inputs rounde
 bfloat16, the reference computed from those rounded values in float64), masks (causal, windows, documents, padding, fully masked rows),
 layouts (named, explicit, balanced), GQA/MQA, uneven and empty shards, N != M; and a
 sample of FlashAttention's own test grid (sequence-length pairs, head dims 32..256,
-9 query heads on 9, 3 or 1 key/value heads, random windows), some of its cases again with a
+9 query heads on 9, 3 or 1 key/value heads, random windows; arithmetic with no communication
+path of its own, so at 1 and 2 ranks of one node, and on CI's two hosts), some of its cases again with a
 softcap and learnable sinks (FlashAttention 3/4's ``softcap`` and ``learnable_sink``), whose
 reference is torch autograd (``helpers.torch_reference``), ``dsinks`` included and held to
 the same rule.
@@ -74,6 +75,7 @@ class Case:
     score_mod: str | None = None  # a name of property_calls.SCORE_MODS
     sinks: bool = False
     heads: bool = False  # a case of head counts the ranks do not divide: head-sharded strategies only
+    sweep: bool = False  # a case of FlashAttention's shape sweep: at 1 and 2 ranks of one node only
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -121,7 +123,7 @@ BASE = [
 
 
 def _flash_grid_sample():
-    """A sample of FlashAttention's test grid, small enough for every rank count."""
+    """A sample of FlashAttention's test grid (run at 1 and 2 ranks of one node: :func:`_skip_reason`)."""
     pairs = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024),
              (1024, 1023), (239, 1), (1, 239), (3, 799), (799, 3)]
     dims = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
@@ -135,7 +137,7 @@ def _flash_grid_sample():
             window = (int(rng.integers(0, max(N, 2))), int(rng.integers(0, max(M, 2))))
         out.append(Case(f"flash-{N}x{M}-d{E}-hkv{(9, 3, 1)[i % 3]}", ("float32", "float16", "float64")[i % 3],
                         B=1, H=9, Hkv=(9, 3, 1)[i % 3], N=N, M=M, E=E, causal=bool(i % 4 == 2),
-                        window=window, block=128, seed=i))
+                        window=window, block=128, seed=i, sweep=True))
     return out
 
 
@@ -147,9 +149,9 @@ def _flash_scores_sample():
     for name, softcap in (("flash-113x203-d64-hkv9", 5.0), ("flash-128x217-d160-hkv3", 0.8),
                           ("flash-108x256-d40-hkv1", 0.8), ("flash-239x1-d59-hkv3", None)):
         c = grid[name]
-        out.append(replace(c, name=f"{name}-softcap{softcap}-sinks", softcap=softcap, sinks=True))
+        out.append(replace(c, name=f"{name}-softcap{softcap}-sinks", softcap=softcap, sinks=True, sweep=False))
     for name, mod in (("flash-113x203-d64-hkv9", "relative-bias"), ("flash-108x256-d40-hkv1", "temperature")):
-        out.append(replace(grid[name], name=f"{name}-score_mod-{mod}", score_mod=mod))
+        out.append(replace(grid[name], name=f"{name}-score_mod-{mod}", score_mod=mod, sweep=False))
     return out
 
 
@@ -269,6 +271,9 @@ def _skip_reason(topology, strategy, engine, case, device):
         return "a heads case: the split is the strategy's, whatever the engine (the native one runs it)"
     if not case.heads and u and u > 1 and (case.H % u or (case.Hkv % u and u % case.Hkv)):
         return "heads the group does not divide: the heads-* cases test those"
+    if case.sweep and topology.P > 2 and topology.n_nodes == 1:
+        return ("FlashAttention's shape sweep is arithmetic with no communication path of its own: it "
+                "runs at 1 and 2 ranks (whole and sharded; two hosts x 2 ranks in CI's two_hosts lane)")
     if not s.uses_engine and engine != engines.AUTO[0]:
         return f"strategy {strategy!r} runs no engine (tested once, with the default)"
     if "ring-first" in strategy and topology.n_nodes == 1:
