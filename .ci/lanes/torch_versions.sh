@@ -14,16 +14,32 @@
 # modules the tests import are compiled as they are imported (about 25 s less on 2 cores). The
 # next release's wheels are downloaded (pip download, in the background) while the tests of the
 # one before run, and installed from those files: the download, most of an install's 100 s
-# with no pip cache, overlaps the tests (if it fails, the install downloads them itself).
+# with no pip cache, overlaps the tests (if it fails, the install downloads them itself). The
+# oldest release's wheels likewise: .ci/run starts `torch_versions.sh --prefetch DIR` in the
+# background once the main suite has ended (the other lanes run meanwhile) and points
+# MPIATTN_CI_TORCH_WHEELS at DIR; the lane waits for that download (DIR/wheels-VERSION.rc: its
+# exit status) and installs from it (alone, the lane downloads that release itself).
 # Last line: "LANE torch_versions: PASS", "... FAIL (why)" or "... SKIP (why)" (SKIP: pip could
 # not download a torch release).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
+VERSIONS=(2.11.0 2.15.0)   # the extra's oldest and newest release
+
+fetch() {  # fetch VERSION DIR: torch VERSION's wheels and their dependencies into DIR/wheels-VERSION
+    PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 python3 -m pip download -q \
+        -d "$2/wheels-$1" "torch==$1" >"$2/fetch-$1.log" 2>&1
+}
+if [[ ${1:-} == --prefetch ]]; then  # --prefetch DIR: the oldest release's wheels, for .ci/run
+    mkdir -p "$2" || exit 1
+    fetch "${VERSIONS[0]}" "$2"
+    rc=$?
+    echo "$rc" >"$2/wheels-${VERSIONS[0]}.rc"
+    exit "$rc"
+fi
+
 # shellcheck source=.ci/lanes/lib.sh
 . .ci/lanes/lib.sh
 lane_init torch_versions
-
-VERSIONS=(2.11.0 2.15.0)   # the extra's oldest and newest release
 declare -A TRANSFORMERS=([2.11.0]="transformers==5.23.0" [2.15.0]="transformers>=5.23,<6")
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 PY_COLORS=0
 TESTS=(tests/torch_interface tests/attention/test_engines.py tests/attention/test_contract.py
@@ -40,10 +56,6 @@ lane_cleanup() {  # a download still running when the lane ends (a FAIL): stop i
     fi
     return 0
 }
-fetch() {  # fetch VERSION: torch VERSION's wheels and their dependencies into $LANE_TMP/wheels-VERSION
-    PIP_CONSTRAINT=/dev/null python3 -m pip download -q -d "$LANE_TMP/wheels-$1" "torch==$1" \
-        >"$LANE_TMP/fetch-$1.log" 2>&1
-}
 for i in "${!VERSIONS[@]}"; do
     version=${VERSIONS[$i]}
     venv=$PWD/.ci/.venv-torch-$version
@@ -51,24 +63,34 @@ for i in "${!VERSIONS[@]}"; do
     step "venv $venv: torch $version, mpiattn[mpich,test,hf]"
     python3 -m venv "$venv" || verdict FAIL "python3 -m venv failed"
     fetched=1
-    if [[ -n $FETCH_PID ]]; then  # this release's wheels, downloaded meanwhile
+    wheels=$LANE_TMP
+    pre=${MPIATTN_CI_TORCH_WHEELS:-}
+    if ((i == 0)) && [[ -n $pre && -d $pre ]]; then  # downloaded by .ci/run while other lanes ran
+        for _ in $(seq 300); do [[ -s $pre/wheels-$version.rc ]] && break; sleep 1; done
+        [[ $(cat "$pre/wheels-$version.rc" 2>/dev/null) == 0 ]] || fetched=0
+        wheels=$pre
+        ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
+            --find-links "$wheels/wheels-$version" "torch==$version" || fetched=0; }
+        ((fetched)) && echo "torch $version installed from the wheels .ci/run downloaded during the lanes before" \
+            || echo "the download of torch $version by .ci/run failed or is not done: pip downloads it now"
+    elif [[ -n $FETCH_PID ]]; then  # this release's wheels, downloaded meanwhile
         wait "$FETCH_PID" || fetched=0
         FETCH_PID=""
         ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
-            --find-links "$LANE_TMP/wheels-$version" "torch==$version" || fetched=0; }
+            --find-links "$wheels/wheels-$version" "torch==$version" || fetched=0; }
         ((fetched)) && echo "torch $version installed from the wheels downloaded during the tests before" \
             || echo "the download of torch $version during the tests before failed: pip downloads it now"
     else
         fetched=0
     fi
-    rm -rf "$LANE_TMP/wheels-$version"  # (about 5 GB)
+    rm -rf "$wheels/wheels-$version"  # (about 5 GB)
     if ((!fetched)); then
         PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile "torch==$version" \
             || verdict SKIP "pip could not install torch $version"
     fi
     next=${VERSIONS[$((i + 1))]:-}
     if [[ -n $next ]]; then
-        fetch "$next" &
+        fetch "$next" "$LANE_TMP" &
         FETCH_PID=$!
     fi
     PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile -e ".[mpich,test,hf]" "torch==$version" \
