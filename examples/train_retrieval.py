@@ -103,7 +103,11 @@ def main() -> None:
     ap.add_argument("--print-every", type=int, default=10)
     ap.add_argument("--history", help="rank 0 writes 'step loss accuracy' lines here")
     ap.add_argument("--save", help="save the trained layer here (HDF5)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="BLAS threads per rank (default 1: P ranks use P cores)")
     args = ap.parse_args()
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(args.threads)  # (NumPy's BLAS would start one thread per core in each rank)
 
     comm = MPI.COMM_WORLD
     c = mpiattn.get_comm(comm)
