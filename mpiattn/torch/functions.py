@@ -32,7 +32,7 @@ from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies.plan import reuse_or_plan
 from .ops import (EXTRA, MATMUL_NN, MATMUL_NT, MATMUL_TN, agree, compiled_attention, compiled_product,
-                  sink_gradient, with_lse_gradient)
+                  product, product_gradients, sink_gradient, with_lse_gradient)
 from .scoremod import TorchScoreMod, captured
 from .tensors import on_device, to_array, to_tensor
 
@@ -297,8 +297,7 @@ def _product(forward: Callable, backward: Callable, name: str) -> type:
         call = name
         @staticmethod
         def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, call: _Call) -> torch.Tensor:
-            with on_device(a.device):
-                out = to_tensor(forward(to_array(a), to_array(b), call.comm, **call.keywords))
+            out = product(forward, a, b, call.comm, call.keywords)
             ctx.save_for_backward(a, b)
             ctx.call = call
             return out
@@ -312,11 +311,7 @@ def _product(forward: Callable, backward: Callable, name: str) -> type:
         @once_differentiable
         def _backward(ctx: Any, dc: torch.Tensor) -> tuple:
             a, b = ctx.saved_tensors
-            dc = dc.to(a.dtype).contiguous()
-            with on_device(a.device):
-                da, db = backward(to_array(dc), to_array(a), to_array(b), ctx.call.comm,
-                                  **ctx.call.keywords)
-                return to_tensor(da), to_tensor(db), None
+            return (*product_gradients(backward, dc, a, b, ctx.call.comm, ctx.call.keywords), None)
 
     return _Product
 
@@ -329,11 +324,12 @@ _TN = _product(products.matmul_tn, products.matmul_tn_backward, "matmul_tn")
 def _run(fn: type, op: Any, a: torch.Tensor, b: torch.Tensor, comm: Any, layout: Any,
          block_size: int | None) -> torch.Tensor:
     """The product ``fn`` (its operator ``op`` while compiling, :mod:`mpiattn.torch.ops`)."""
+    keywords = {"layout": layout, "block_size": block_size}
     if torch.compiler.is_compiling():
-        return compiled_product(op, a, b, comm, {"layout": layout, "block_size": block_size})
+        return compiled_product(op, a, b, comm, keywords)
     c = get_comm(comm)
     agree(c, fn.call, {"a": a, "b": b})
-    return fn.apply(a, b, _Call(c, {"layout": layout, "block_size": block_size}))
+    return fn.apply(a, b, _Call(c, keywords))
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor, *, comm: Any = None, layout: Any = "contiguous",

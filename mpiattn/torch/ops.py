@@ -52,7 +52,8 @@ from ..strategies import attention_backward as np_attention_backward
 from .tensors import check_extra, check_operands, facts, on_device, to_array, to_tensor
 
 __all__ = ["agree", "sink_gradient", "with_lse_gradient", "handle", "compiled_attention",
-           "compiled_product", "REFUSED", "MATMUL_NT", "MATMUL_NN", "MATMUL_TN"]
+           "compiled_product", "product", "product_gradients", "REFUSED", "MATMUL_NT", "MATMUL_NN",
+           "MATMUL_TN"]
 
 #: What a compiled call cannot take, and why.
 REFUSED = {"details": "it is filled outside the compiled graph",
@@ -251,6 +252,22 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: 
 
 
 # ------------------------------------------------------------------ the products
+def product(forward: Any, a: torch.Tensor, b: torch.Tensor, c: Comm, keywords: dict) -> torch.Tensor:
+    """The library product ``forward`` (:func:`mpiattn.matmul_nt`, ...) on tensors' memory: eager
+    (:mod:`mpiattn.torch.functions`) and compiled alike."""
+    with on_device(a.device):
+        return to_tensor(forward(to_array(a), to_array(b), c, **keywords))
+
+
+def product_gradients(backward: Any, dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Comm,
+                      keywords: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da, db)`` of :func:`product` by the library's ``backward`` (:func:`mpiattn.matmul_nt_backward`,
+    ...), ``dc`` taken in ``a``'s dtype."""
+    with on_device(a.device):
+        da, db = backward(to_array(dc.to(a.dtype).contiguous()), to_array(a), to_array(b), c, **keywords)
+        return to_tensor(da), to_tensor(db)
+
+
 def _unbacked() -> Any:
     """A length the compiler learns when the operator has run."""
     return torch.library.get_ctx().new_dynamic_size()
@@ -279,8 +296,7 @@ def _product_ops(name: str, forward: Any, backward: Any, shape: Any) -> Any:
         st = _SETTINGS[handle]
         c = get_comm(st.comm)
         agree(c, name, {"a": a, "b": b})
-        with on_device(a.device):
-            return to_tensor(forward(to_array(a), to_array(b), c, **st.keywords)).contiguous()
+        return product(forward, a, b, c, st.keywords).contiguous()
 
     def fake(a, b, handle):
         return a.new_empty(shape(a, b))
@@ -288,10 +304,8 @@ def _product_ops(name: str, forward: Any, backward: Any, shape: Any) -> Any:
     def run_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      handle: int) -> tuple[torch.Tensor, torch.Tensor]:
         st = _SETTINGS[handle]
-        with on_device(a.device):
-            da, db = backward(to_array(dc.to(a.dtype).contiguous()), to_array(a), to_array(b),
-                              get_comm(st.comm), **st.keywords)
-            return to_tensor(da).contiguous(), to_tensor(db).contiguous()
+        da, db = product_gradients(backward, dc, a, b, get_comm(st.comm), st.keywords)
+        return da.contiguous(), db.contiguous()
 
     def fake_backward(dc, a, b, handle):
         return torch.empty_like(a), torch.empty_like(b)
