@@ -31,8 +31,8 @@ from ..masks.score import NAMES, Score
 from ..strategies import attention as np_attention
 from ..strategies import attention_backward as np_attention_backward
 from ..strategies.plan import reuse_or_plan
-from .ops import (EXTRA, MATMUL_NN, MATMUL_NT, MATMUL_TN, agree, compiled_attention, compiled_product,
-                  product, product_gradients, sink_gradient, with_lse_gradient)
+from .ops import (EXTRA, MATMUL_NN, MATMUL_NT, MATMUL_TN, agree, compiled_attention,
+                  compiled_product, product, product_gradients, sink_gradient, with_lse_gradient)
 from .scoremod import TorchScoreMod, captured
 from .tensors import on_device, to_array, to_tensor
 

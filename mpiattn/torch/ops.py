@@ -18,8 +18,8 @@ nodes with known outputs. What is not a tensor (the communicator, the options, a
 integer :func:`handle` hands out while the graph is traced (marked
 ``torch.compiler.assume_constant_result``: traced once, a constant of the graph).
 
-Each product has two more, ``mpiattn::matmul_nt(a, b, handle) -> c`` and ``mpiattn::matmul_nt_backward(dc, a, b, handle)
--> (da, db)`` (and so on). A product's output has a length no single rank's tensors give:
+Each product has two more, ``mpiattn::matmul_nt(a, b, handle) -> c`` and
+``mpiattn::matmul_nt_backward(dc, a, b, handle) -> (da, db)`` (and so on). A product's output has a length no single rank's tensors give:
 ``matmul_nt``'s ``M`` columns (every rank's key rows) and ``matmul_tn``'s ``n_r`` rows (this
 rank's share of ``N`` by the layout); its fake implementation gives it as an *unbacked* size
 (known when the operator has run, as for ``torch.nonzero``). So the compiler never
@@ -252,7 +252,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: 
 
 
 # ------------------------------------------------------------------ the products
-def product(forward: Any, a: torch.Tensor, b: torch.Tensor, c: Comm, keywords: dict) -> torch.Tensor:
+def product(forward: Any, a: torch.Tensor, b: torch.Tensor, c: Comm,
+            keywords: dict) -> torch.Tensor:
     """The library product ``forward`` (:func:`mpiattn.matmul_nt`, ...) on tensors' memory: eager
     (:mod:`mpiattn.torch.functions`) and compiled alike."""
     with on_device(a.device):
@@ -261,10 +262,11 @@ def product(forward: Any, a: torch.Tensor, b: torch.Tensor, c: Comm, keywords: d
 
 def product_gradients(backward: Any, dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Comm,
                       keywords: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(da, db)`` of :func:`product` by the library's ``backward`` (:func:`mpiattn.matmul_nt_backward`,
-    ...), ``dc`` taken in ``a``'s dtype."""
+    """``(da, db)`` of :func:`product` by the library's ``backward``
+    (:func:`mpiattn.matmul_nt_backward`, ...), ``dc`` taken in ``a``'s dtype."""
     with on_device(a.device):
-        da, db = backward(to_array(dc.to(a.dtype).contiguous()), to_array(a), to_array(b), c, **keywords)
+        da, db = backward(to_array(dc.to(a.dtype).contiguous()), to_array(a), to_array(b), c,
+                          **keywords)
         return to_tensor(da), to_tensor(db)
 
 
@@ -310,7 +312,8 @@ def _product_ops(name: str, forward: Any, backward: Any, shape: Any) -> Any:
     def fake_backward(dc, a, b, handle):
         return torch.empty_like(a), torch.empty_like(b)
 
-    op_backward = torch.library.custom_op(f"mpiattn::{name}_backward", run_backward, mutates_args=())
+    op_backward = torch.library.custom_op(f"mpiattn::{name}_backward", run_backward,
+                                          mutates_args=())
     op_backward.register_fake(fake_backward)
 
     def setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:

@@ -3,8 +3,9 @@
 Under compilation ``mpiattn.torch.attention`` and the products are custom operators
 (:mod:`mpiattn.torch.ops`); these tests compile a small model of ``MultiheadAttention``,
 ``attention`` (sinks, softcap, ``lse`` in the loss, a padding mask) and the three products,
-the products alone on a zigzag layout, and a transformers model through the adapter, at every rank count, with the ``aot_eager`` backend (dynamo's graph and
-AOTAutograd's backward, no code generation: the eager bits exactly), and count dynamo's graph
+the products alone on a zigzag layout, and a transformers model through the adapter, at every
+rank count, with the ``aot_eager`` backend (dynamo's graph and AOTAutograd's backward, no code
+generation: the eager bits exactly), and count dynamo's graph
 breaks with its own counter. Inductor's code generation is checked once, at one rank.
 """
 
