@@ -64,26 +64,24 @@ for i in "${!VERSIONS[@]}"; do
     py=$venv/bin/python
     step "venv $venv: torch $version, mpiattn[mpich,test,hf]"
     python3 -m venv "$venv" || verdict FAIL "python3 -m venv failed"
-    fetched=1
+    fetched=0 waited=""  # waited: where this release's wheels were being downloaded meanwhile
     wheels=$LANE_TMP
     pre=${MPIATTN_CI_TORCH_WHEELS:-}
-    if ((i == 0)) && [[ -n $pre && -d $pre ]]; then  # downloaded by .ci/run while other lanes ran
+    if ((i == 0)) && [[ -n $pre && -d $pre ]]; then  # by .ci/run, while the lanes before ran
+        waited=".ci/run during the lanes before"
         for _ in $(seq 300); do [[ -s $pre/wheels-$version.rc ]] && break; sleep 1; done
-        [[ $(cat "$pre/wheels-$version.rc" 2>/dev/null) == 0 ]] || fetched=0
+        [[ $(cat "$pre/wheels-$version.rc" 2>/dev/null) == 0 ]] && fetched=1
         wheels=$pre
-        ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
-            --find-links "$wheels/wheels-$version" "torch==$version" || fetched=0; }
-        ((fetched)) && echo "torch $version installed from the wheels .ci/run downloaded during the lanes before" \
-            || echo "the download of torch $version by .ci/run failed or is not done: pip downloads it now"
-    elif [[ -n $FETCH_PID ]]; then  # this release's wheels, downloaded meanwhile
-        wait "$FETCH_PID" || fetched=0
+    elif [[ -n $FETCH_PID ]]; then  # by this lane, during the tests before
+        waited="this lane during the tests before"
+        wait "$FETCH_PID" && fetched=1
         FETCH_PID=""
-        ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
-            --find-links "$wheels/wheels-$version" "torch==$version" || fetched=0; }
-        ((fetched)) && echo "torch $version installed from the wheels downloaded during the tests before" \
-            || echo "the download of torch $version during the tests before failed: pip downloads it now"
-    else
-        fetched=0
+    fi
+    ((fetched)) && { PIP_CONSTRAINT=/dev/null "$py" -m pip install -q --no-compile --no-index \
+        --find-links "$wheels/wheels-$version" "torch==$version" || fetched=0; }
+    if [[ -n $waited ]]; then
+        ((fetched)) && echo "torch $version installed from the wheels downloaded by $waited" \
+            || echo "the download of torch $version by $waited failed or is not done: pip downloads it now"
     fi
     rm -rf "$wheels/wheels-$version"  # (about 5 GB)
     if ((!fetched)); then
